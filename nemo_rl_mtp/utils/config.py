@@ -1,0 +1,143 @@
+"""Load, merge and validate configs.
+
+Every config is the exemplar (``examples/configs/grpo_mtp.yaml``, the one place defaults live)
+merged with a recipe (which may inherit from other recipes with ``defaults:``) and then with
+``key=value`` overrides. Keys are typed by :mod:`nemo_rl_mtp.utils.config_schema`; an unknown key,
+a wrong type or a value outside its allowed set raises :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nemo_rl_mtp.utils.config_schema import MasterConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXEMPLAR_CONFIG = REPO_ROOT / "examples" / "configs" / "grpo_mtp.yaml"
+
+_CHOICES = {
+    "policy.megatron_cfg.transformer_impl": {"auto", "local", "transformer_engine"},
+    "policy.megatron_cfg.params_dtype": {"float32", "bfloat16"},
+    "policy.megatron_cfg.normalization": {"LayerNorm", "RMSNorm"},
+    "policy.megatron_cfg.activation": {"gelu", "swiglu"},
+    "policy.megatron_cfg.position_embedding_type": {"rope", "learned_absolute"},
+    "policy.megatron_cfg.recompute_granularity": {None, "full", "selective"},
+    "policy.megatron_cfg.recompute_method": {None, "uniform", "block"},
+}
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the offending key and value."""
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> DictConfig:
+    """Exemplar <- recipe at ``path`` (with its ``defaults:`` chain) <- ``overrides``."""
+    layers = [("exemplar " + str(EXEMPLAR_CONFIG), _load_yaml_with_defaults(EXEMPLAR_CONFIG))]
+    if path is not None:
+        layers.append((str(path), _load_yaml_with_defaults(Path(path))))
+    if overrides:
+        layers.append(("command-line overrides", _parse_overrides(overrides)))
+
+    cfg = OmegaConf.structured(MasterConfig)
+    for source, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as error:
+            raise ConfigError(f"{source}: {_describe(error)}") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"keys without a value (add them to {EXEMPLAR_CONFIG}): {missing}")
+    validate_config(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Checks across keys and on allowed values, run before any worker starts."""
+    for key, allowed in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            shown = sorted(str(choice) for choice in allowed)
+            raise ConfigError(f"{key}={value!r} is not one of {shown}")
+
+    policy = cfg.policy
+    megatron = policy.megatron_cfg
+    _require(megatron.mtp_num_layers >= 0, "policy.megatron_cfg.mtp_num_layers", megatron.mtp_num_layers, "must be >= 0")
+    _require(megatron.mtp_loss_scaling_factor >= 0, "policy.megatron_cfg.mtp_loss_scaling_factor", megatron.mtp_loss_scaling_factor, "must be >= 0")
+    _require(policy.train_micro_batch_size > 0, "policy.train_micro_batch_size", policy.train_micro_batch_size, "must be > 0")
+    _require(
+        policy.train_global_batch_size % policy.train_micro_batch_size == 0,
+        "policy.train_global_batch_size",
+        policy.train_global_batch_size,
+        f"must be a multiple of policy.train_micro_batch_size={policy.train_micro_batch_size}",
+    )
+    _require(
+        megatron.hidden_size % megatron.num_attention_heads == 0,
+        "policy.megatron_cfg.hidden_size",
+        megatron.hidden_size,
+        f"must be a multiple of num_attention_heads={megatron.num_attention_heads}",
+    )
+    if megatron.recompute_granularity == "full":
+        _require(
+            megatron.recompute_method is not None and megatron.recompute_num_layers is not None,
+            "policy.megatron_cfg.recompute_method",
+            megatron.recompute_method,
+            "recompute_granularity=full needs recompute_method and recompute_num_layers",
+        )
+    _require(
+        not megatron.sequence_parallel or megatron.tensor_model_parallel_size > 1,
+        "policy.megatron_cfg.sequence_parallel",
+        megatron.sequence_parallel,
+        "needs tensor_model_parallel_size > 1",
+    )
+
+
+def _require(condition: bool, key: str, value, reason: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}={value!r}: {reason}")
+
+
+def _load_yaml_with_defaults(path: Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
+    """A YAML file merged over the files its ``defaults:`` key names (relative to it)."""
+    path = path.resolve()
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path in _seen:
+        raise ConfigError(f"defaults cycle: {' -> '.join(map(str, _seen + (path,)))}")
+    raw = OmegaConf.load(path)
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    parents = raw.pop("defaults", None)
+    if parents is None:
+        return raw
+    if isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, (list, ListConfig)):
+        raise ConfigError(f"{path}: defaults must be a file name or a list of them, got {parents!r}")
+    merged = OmegaConf.create()
+    for parent in parents:
+        parent_path = (path.parent / str(parent)).resolve()
+        if parent_path == EXEMPLAR_CONFIG.resolve():
+            continue  # the exemplar is always the base layer
+        merged = OmegaConf.merge(merged, _load_yaml_with_defaults(parent_path, _seen + (path,)))
+    return OmegaConf.merge(merged, raw)
+
+
+def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
+    for override in overrides:
+        if "=" not in override or override.startswith("="):
+            raise ConfigError(f"override {override!r} is not of the form key=value")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"command-line overrides: {_describe(error)}") from None
+
+
+def _describe(error: OmegaConfBaseException) -> str:
+    key = getattr(error, "full_key", None)
+    message = str(error).splitlines()[0]
+    return f"{key}: {message}" if key else message

@@ -1,0 +1,69 @@
+"""Types of every config key. Defaults are not here: they live once, in the exemplar YAML
+(``examples/configs/grpo_mtp.yaml``), which also documents each key.
+
+A field without a default is MISSING until the exemplar fills it, so a key that the exemplar
+forgets is an error at load time, not a silent default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+
+
+@dataclass
+class MegatronConfig:
+    seed: int
+    transformer_impl: str
+    params_dtype: str
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    sequence_parallel: bool
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    normalization: str
+    activation: str
+    position_embedding_type: str
+    rotary_base: int
+    share_embeddings_and_output_weights: bool
+    recompute_granularity: Optional[str]
+    recompute_method: Optional[str]
+    recompute_num_layers: Optional[int]
+    mtp_num_layers: int
+    mtp_loss_scaling_factor: float
+    mtp_use_repeated_layer: bool
+    mtp_detach_heads: bool
+    optimizer: OptimizerConfig
+
+
+@dataclass
+class SequencePackingConfig:
+    enabled: bool
+
+
+@dataclass
+class PolicyConfig:
+    train_global_batch_size: int
+    train_micro_batch_size: int
+    max_total_sequence_length: int
+    sequence_packing: SequencePackingConfig
+    megatron_cfg: MegatronConfig
+
+
+@dataclass
+class MasterConfig:
+    policy: PolicyConfig
