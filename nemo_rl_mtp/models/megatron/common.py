@@ -1,0 +1,30 @@
+"""MTP metrics from megatron-core's ``MTPLossLoggingHelper`` tracker."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+
+def get_mtp_metrics(num_microbatches: int) -> dict[str, float]:
+    """Per MTP layer (1-indexed): ``mtp_{i}_loss`` and ``mtp_{i}_acceptance_rate``; then clears the
+    tracker. ``{}`` when the tracker is empty (no MTP loss was computed this step).
+
+    The loss is megatron's per-microbatch token mean, averaged over microbatches and over the
+    data-parallel x context-parallel ranks; acceptance is correct / total top-1 predictions of the
+    masked positions, in percent, counted over the same ranks.
+    """
+    tracker = MTPLossLoggingHelper.tracker
+    if "loss_values" not in tracker:
+        return {}
+    MTPLossLoggingHelper.reduce_metrics_in_tracker()
+    losses = tracker["loss_values"] / num_microbatches
+    acceptance = tracker["correct_values"] / tracker["total_values"].clamp(min=1) * 100.0
+    losses, acceptance = torch.stack([losses, acceptance]).tolist()  # one host sync
+    # Drop the keys rather than zero them, so a later step that computes no MTP loss shows as {}.
+    tracker.clear()
+    metrics = {}
+    for layer, (loss, rate) in enumerate(zip(losses, acceptance), start=1):
+        metrics[f"mtp_{layer}_loss"] = loss
+        metrics[f"mtp_{layer}_acceptance_rate"] = rate
+    return metrics

@@ -1,0 +1,218 @@
+"""Build a megatron-core GPTModel (with its MTP block), DDP wrapper and optimizer from
+``policy.megatron_cfg``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from nemo_rl_mtp.models.megatron import cpu_runtime
+from nemo_rl_mtp.models.megatron.packed_attention import PackedSequenceDotProductAttention
+
+logger = logging.getLogger(__name__)
+
+MTP_CONFIG_KEYS = ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer", "mtp_detach_heads")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class MegatronPolicyModel:
+    """What a policy worker trains: the DDP-wrapped model, its optimizer and config."""
+
+    model: DistributedDataParallel
+    optimizer: MegatronOptimizer
+    config: TransformerConfig
+    transformer_impl: str
+
+
+def initialize_model_parallel(megatron_cfg, rank: int, world_size: int, init_method: str) -> None:
+    """torch.distributed (gloo on CPU, NCCL on GPU) and megatron's parallel groups."""
+    cpu_runtime.install()
+    if cpu_runtime.cuda_available():
+        torch.cuda.set_device(torch.cuda.current_device())
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=cpu_runtime.distributed_backend(),
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=megatron_cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=megatron_cfg.pipeline_model_parallel_size,
+            context_parallel_size=megatron_cfg.context_parallel_size,
+        )
+    model_parallel_cuda_manual_seed(megatron_cfg.seed)
+
+
+def build_transformer_config(megatron_cfg) -> TransformerConfig:
+    dtype = _DTYPES[megatron_cfg.params_dtype]
+    swiglu = megatron_cfg.activation == "swiglu"
+    config_kwargs = dict(
+        num_layers=megatron_cfg.num_layers,
+        hidden_size=megatron_cfg.hidden_size,
+        ffn_hidden_size=megatron_cfg.ffn_hidden_size,
+        num_attention_heads=megatron_cfg.num_attention_heads,
+        num_query_groups=megatron_cfg.num_query_groups,
+        normalization=megatron_cfg.normalization,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=False,
+        tensor_model_parallel_size=megatron_cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=megatron_cfg.pipeline_model_parallel_size,
+        context_parallel_size=megatron_cfg.context_parallel_size,
+        sequence_parallel=megatron_cfg.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # RL: training logprobs must match the sampler's, so no dropout.
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # Losses are token sums normalised by the global valid-token count (see train.py);
+        # with this flag megatron neither averages over microbatches nor over DP ranks.
+        calculate_per_token_loss=True,
+        recompute_granularity=megatron_cfg.recompute_granularity,
+        recompute_method=megatron_cfg.recompute_method,
+        recompute_num_layers=megatron_cfg.recompute_num_layers,
+        use_cpu_initialization=not cpu_runtime.cuda_available(),
+    )
+    _apply_mtp_config(config_kwargs, megatron_cfg)
+    return TransformerConfig(**config_kwargs)
+
+
+def _apply_mtp_config(config_kwargs: dict, megatron_cfg) -> None:
+    """Copy the MTP keys present in ``megatron_cfg`` onto the TransformerConfig arguments.
+
+    With ``mtp_num_layers: 0`` (or absent) nothing is copied, so a non-MTP recipe builds exactly
+    the model it would without MTP support.
+    """
+    if "mtp_num_layers" not in megatron_cfg or not megatron_cfg["mtp_num_layers"]:
+        return
+    for key in MTP_CONFIG_KEYS:
+        if key in megatron_cfg:
+            config_kwargs[key] = megatron_cfg[key]
+
+
+def mtp_enabled(config: TransformerConfig) -> bool:
+    return bool(config.mtp_num_layers)
+
+
+def resolve_transformer_impl(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if cpu_runtime.cuda_available() and _transformer_engine_importable():
+        return "transformer_engine"
+    return "local"
+
+
+def _transformer_engine_importable() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a TE build that cannot load its CUDA libraries
+        return False
+    return True
+
+
+def build_layer_spec(transformer_impl: str, config: TransformerConfig):
+    if transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    # The local spec's attention rejects packed sequences; ours handles them (see packed_attention).
+    spec.submodules.self_attention.submodules.core_attention = PackedSequenceDotProductAttention
+    return spec
+
+
+def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
+    """Vocab rounded up so the output layer splits evenly over tensor-parallel ranks."""
+    multiple = 8 * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_model(
+    megatron_cfg, config: TransformerConfig, vocab_size: int, max_sequence_length: int
+) -> tuple[DistributedDataParallel, str]:
+    transformer_impl = resolve_transformer_impl(megatron_cfg.transformer_impl)
+    layer_spec = build_layer_spec(transformer_impl, config)
+    mtp_block_spec = None
+    if mtp_enabled(config):
+        mtp_block_spec = get_gpt_mtp_block_spec(
+            config, layer_spec, use_transformer_engine=transformer_impl == "transformer_engine"
+        )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
+        max_sequence_length=max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=megatron_cfg.share_embeddings_and_output_weights,
+        position_embedding_type=megatron_cfg.position_embedding_type,
+        rotary_base=megatron_cfg.rotary_base,
+        mtp_block_spec=mtp_block_spec,
+    )
+    if cpu_runtime.cuda_available():
+        model.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
+    with cpu_runtime.device_scope():
+        ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    logger.info(
+        "built GPTModel (%s spec): %d parameters, MTP layers: %s",
+        transformer_impl,
+        sum(p.numel() for p in model.parameters()),
+        config.mtp_num_layers or 0,
+    )
+    return ddp_model, transformer_impl
+
+
+def build_optimizer(model: DistributedDataParallel, megatron_cfg) -> MegatronOptimizer:
+    optimizer_cfg = megatron_cfg.optimizer
+    dtype = _DTYPES[megatron_cfg.params_dtype]
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optimizer_cfg.lr,
+        weight_decay=optimizer_cfg.weight_decay,
+        adam_beta1=optimizer_cfg.adam_beta1,
+        adam_beta2=optimizer_cfg.adam_beta2,
+        adam_eps=optimizer_cfg.adam_eps,
+        clip_grad=optimizer_cfg.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=False,
+    )
+    with cpu_runtime.device_scope():
+        return get_megatron_optimizer(config, [model])
+
+
+def finalize_grads_of_prenormalised_loss(model, num_tokens=None, **kwargs) -> None:
+    """megatron's finalize_model_grads without its division by the token count: our losses are
+    already divided by the global valid-token count (train.py), so dividing again would be wrong."""
+    finalize_model_grads(model, None, **kwargs)
+
+
+def setup_megatron_policy(policy_cfg, vocab_size: int) -> MegatronPolicyModel:
+    """Model, optimizer and the config hooks megatron's schedule reads during a step."""
+    megatron_cfg = policy_cfg.megatron_cfg
+    config = build_transformer_config(megatron_cfg)
+    model, transformer_impl = build_model(megatron_cfg, config, vocab_size, policy_cfg.max_total_sequence_length)
+    optimizer = build_optimizer(model, megatron_cfg)
+    config.finalize_model_grads_func = finalize_grads_of_prenormalised_loss
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model.no_sync
+    return MegatronPolicyModel(model=model, optimizer=optimizer, config=config, transformer_impl=transformer_impl)
+

@@ -1,0 +1,192 @@
+"""One policy training step on megatron-core, the way an RL policy worker drives it.
+
+The MTP path, step by step:
+  1. ``compute_mtp_loss_mask``   - response tokens of valid samples (data.py), once per global batch
+  2. ``build_microbatches``      - the mask is laid out exactly like ``input_ids`` (data.py)
+  3. ``forward_step``            - the mask goes in as megatron's ``loss_mask``, ``labels=None``
+  4. ``mtp_grad_scale``          - MTP gradient normalised like the policy loss, for this step only
+  5. ``get_mtp_metrics``         - per-layer loss and acceptance after the step (common.py)
+
+Normalisation. The policy loss of a microbatch is its token sum divided by G, the number of valid
+tokens in the whole global batch (all microbatches, all data-parallel ranks); DDP sums gradients
+(``calculate_per_token_loss``), so the step's gradient is that of the global per-token mean.
+megatron injects the MTP loss of depth k (0-based) on a microbatch as
+
+    (mtp_loss_scaling_factor / mtp_num_layers) * sum_i CE_k(i) * N_0 / N_k
+
+where the sum runs over positions i whose target token i + 2 + k is a response token of a valid
+sample, N_0 counts the loss mask after megatron's first roll and N_k after its (k + 2)-th. We seed
+its backward with ``loss_scale / G``, so MTP gradients are per-token means over the global batch
+as well. N_0 = N_k whenever no response token sits among the first k + 2 tokens of a sequence,
+i.e. every prompt is at least mtp_num_layers + 1 tokens long (always so in RL); otherwise megatron
+re-weights each microbatch by N_0 / N_k.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+from nemo_rl_mtp.models.megatron import cpu_runtime
+from nemo_rl_mtp.models.megatron.data import (
+    Microbatch,
+    build_microbatches,
+    compute_mtp_loss_mask,
+    local_valid_tokens,
+)
+from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel, mtp_enabled
+
+PolicyLossFn = Callable[[torch.Tensor, dict, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+def train_global_batch(
+    policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], loss_fn: PolicyLossFn, policy_cfg
+) -> tuple[dict[str, float], int]:
+    """Forward/backward over this rank's share of one global batch, then one optimizer step.
+
+    Returns the step's metrics (global over data-parallel ranks) and the number of microbatches.
+    """
+    model, optimizer, config = policy.model, policy.optimizer, policy.config
+    if mtp_enabled(config):
+        batch = {**batch, "mtp_loss_mask": compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"])}
+    device = cpu_runtime.compute_device()
+    global_tokens = count_global_valid_tokens(batch, device)
+    microbatches = [
+        microbatch.to(device)
+        for microbatch in build_microbatches(
+            batch,
+            micro_batch_size=policy_cfg.train_micro_batch_size,
+            pack_sequences=policy_cfg.sequence_packing.enabled,
+            megatron_cfg=policy_cfg.megatron_cfg,
+            cp_rank=parallel_state.get_context_parallel_rank(),
+            cp_size=parallel_state.get_context_parallel_world_size(),
+        )
+    ]
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    with cpu_runtime.device_scope(), mtp_grad_scale(config, global_tokens):
+        microbatch_metrics = get_forward_backward_func()(
+            forward_step_func=partial(forward_step, loss_fn=loss_fn, global_valid_tokens=global_tokens),
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=len(microbatches),
+            seq_length=microbatches[0].input_ids.shape[1],
+            micro_batch_size=microbatches[0].input_ids.shape[0],
+            forward_only=False,
+        )
+    metrics = {"mtp/grad_norm": mtp_gradient_norm(model)} if mtp_enabled(config) else {}
+    with cpu_runtime.device_scope():
+        update_successful, grad_norm, _ = optimizer.step()
+    metrics.update(sum_over_global_batch(microbatch_metrics, device))
+    metrics.update(grad_norm=float(grad_norm or 0.0), update_successful=float(update_successful))
+    metrics["global_valid_tokens"] = float(global_tokens)
+    return metrics, len(microbatches)
+
+
+def count_global_valid_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """G: policy-loss tokens summed over the global batch (one all-reduce over data parallel)."""
+    count = local_valid_tokens(batch).to(device=device, dtype=torch.float32)
+    torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
+    return count
+
+
+@contextlib.contextmanager
+def mtp_grad_scale(config, global_valid_tokens: torch.Tensor):
+    """Set ``config.mtp_grad_scale_func`` for one step so the MTP backward is seeded with
+    ``loss_scale / G`` like the policy loss, and clear it afterwards so it never lands in a saved
+    config. ``loss_scale`` is the fp16 loss scale (1 otherwise), the value megatron falls back to
+    when no MTP scale function is set."""
+    if not mtp_enabled(config):
+        yield
+        return
+
+    def loss_scale_over_global_tokens() -> torch.Tensor:
+        one = torch.ones(1, device=global_valid_tokens.device)
+        loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+        return loss_scale / global_valid_tokens.clamp(min=1)
+
+    config.mtp_grad_scale_func = loss_scale_over_global_tokens
+    try:
+        yield
+    finally:
+        config.mtp_grad_scale_func = None
+
+
+def forward_step(
+    data_iterator: Iterator[Microbatch], model, *, loss_fn: PolicyLossFn, global_valid_tokens: torch.Tensor
+):
+    """megatron's ``forward_step_func``: MTP mask in as ``loss_mask``, no labels (RL mode)."""
+    microbatch = next(data_iterator)
+    logits = model(
+        input_ids=microbatch.input_ids,
+        position_ids=microbatch.position_ids,
+        attention_mask=microbatch.attention_mask,
+        packed_seq_params=microbatch.packed_seq_params,
+        labels=None,
+        loss_mask=microbatch.mtp_loss_mask,
+    )
+    return logits, partial(policy_loss, microbatch, loss_fn, global_valid_tokens)
+
+
+def policy_loss(microbatch: Microbatch, loss_fn: PolicyLossFn, global_valid_tokens: torch.Tensor, logits):
+    logprobs = token_logprobs(logits, microbatch.loss_inputs["target_ids"])
+    loss, metrics = loss_fn(logprobs, microbatch.loss_inputs, global_valid_tokens)
+    num_tokens = microbatch.loss_inputs["loss_mask"].sum().to(torch.int)
+    # Three values: under calculate_per_token_loss megatron leaves the (pre-normalised) loss as is.
+    return loss, num_tokens, metrics
+
+
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position from (vocab-parallel) logits ``[b, s, v/tp]``."""
+    return -vocab_parallel_cross_entropy(logits.float(), target_ids)
+
+
+def sum_over_global_batch(microbatch_metrics: list[dict[str, torch.Tensor]], device) -> dict[str, float]:
+    """Each microbatch metric is already its share of a global mean: sum over microbatches and
+    data-parallel ranks on the last pipeline stage, then share with every stage. One host sync."""
+    metrics = None
+    if parallel_state.is_pipeline_last_stage():
+        keys = sorted(microbatch_metrics[0])
+        totals = torch.stack([torch.stack([m[key] for m in microbatch_metrics]).sum() for key in keys])
+        totals = totals.to(device=device, dtype=torch.float32)
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        torch.distributed.all_reduce(totals, group=group)
+        metrics = dict(zip(keys, totals.tolist()))
+    return broadcast_from_last_pipeline_stage(metrics)
+
+
+def broadcast_from_last_pipeline_stage(values):
+    """Values computed on the last pipeline stage, made known to every stage."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    holder = [values]
+    torch.distributed.broadcast_object_list(
+        holder,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return holder[0]
+
+
+def mtp_gradient_norm(model) -> float:
+    """L2 norm of the MTP block's gradients (after the DP all-reduce, before clipping)."""
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    mtp_block = getattr(model.module, "mtp", None)
+    grads = []
+    if mtp_block is not None:
+        grads = [
+            param.main_grad
+            for param in mtp_block.parameters()
+            if param.requires_grad and param_is_not_tensor_parallel_duplicate(param)
+        ]
+    with cpu_runtime.device_scope():
+        norm = get_grad_norm_fp32(grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+    return float(norm)
