@@ -52,7 +52,17 @@ def train_global_batch(
 
     Returns the step's metrics (global over data-parallel ranks) and the number of microbatches.
     """
-    model, optimizer, config = policy.model, policy.optimizer, policy.config
+    metrics, num_microbatches = forward_backward_global_batch(policy, batch, loss_fn, policy_cfg)
+    metrics.update(optimizer_step(policy))
+    return metrics, num_microbatches
+
+
+def forward_backward_global_batch(
+    policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], loss_fn: PolicyLossFn, policy_cfg
+) -> tuple[dict[str, float], int]:
+    """Gradients of the global batch's loss (policy + MTP) in the DDP grad buffers, finalised
+    (all-reduced over data parallel) by megatron's schedule."""
+    model, config = policy.model, policy.config
     if mtp_enabled(config):
         batch = {**batch, "mtp_loss_mask": compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"])}
     device = cpu_runtime.compute_device()
@@ -69,7 +79,7 @@ def train_global_batch(
         )
     ]
     model.zero_grad_buffer()
-    optimizer.zero_grad()
+    policy.optimizer.zero_grad()
     with cpu_runtime.device_scope(), mtp_grad_scale(config, global_tokens):
         microbatch_metrics = get_forward_backward_func()(
             forward_step_func=partial(forward_step, loss_fn=loss_fn, global_valid_tokens=global_tokens),
@@ -80,13 +90,17 @@ def train_global_batch(
             micro_batch_size=microbatches[0].input_ids.shape[0],
             forward_only=False,
         )
-    metrics = {"mtp/grad_norm": mtp_gradient_norm(model)} if mtp_enabled(config) else {}
-    with cpu_runtime.device_scope():
-        update_successful, grad_norm, _ = optimizer.step()
-    metrics.update(sum_over_global_batch(microbatch_metrics, device))
-    metrics.update(grad_norm=float(grad_norm or 0.0), update_successful=float(update_successful))
+    metrics = sum_over_global_batch(microbatch_metrics, device)
     metrics["global_valid_tokens"] = float(global_tokens)
+    if mtp_enabled(config):
+        metrics["mtp/grad_norm"] = mtp_gradient_norm(model)
     return metrics, len(microbatches)
+
+
+def optimizer_step(policy: MegatronPolicyModel) -> dict[str, float]:
+    with cpu_runtime.device_scope():
+        update_successful, grad_norm, _ = policy.optimizer.step()
+    return {"grad_norm": float(grad_norm or 0.0), "update_successful": float(update_successful)}
 
 
 def count_global_valid_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -153,6 +167,8 @@ def sum_over_global_batch(microbatch_metrics: list[dict[str, torch.Tensor]], dev
     metrics = None
     if parallel_state.is_pipeline_last_stage():
         keys = sorted(microbatch_metrics[0])
+        if not keys:
+            return broadcast_from_last_pipeline_stage({})
         totals = torch.stack([torch.stack([m[key] for m in microbatch_metrics]).sum() for key in keys])
         totals = totals.to(device=device, dtype=torch.float32)
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)

@@ -1,0 +1,15 @@
+import logging
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    """torch.distributed (gloo, world size 1) and megatron's parallel state, once per session."""
+    from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel
+    from tests.helpers import free_port, tiny_config
+
+    logging.basicConfig(level=logging.INFO)
+    cfg = tiny_config()
+    initialize_model_parallel(cfg.policy.megatron_cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    yield

@@ -1,0 +1,82 @@
+"""Shared test helpers: a single-process megatron world, tiny policies and synthetic RL batches."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from nemo_rl_mtp.utils.config import load_config
+
+VOCAB_SIZE = 32
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tiny_config(**policy_overrides):
+    """The exemplar config with ``policy.<key>=<value>`` overrides (dots in keys as ``__``)."""
+    overrides = [f"policy.{key.replace('__', '.')}={_yaml(value)}" for key, value in policy_overrides.items()]
+    return load_config(overrides=overrides)
+
+
+def _yaml(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def make_policy(**policy_overrides):
+    """A freshly initialised policy in the already-initialised single-process megatron world."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from nemo_rl_mtp.models.megatron.setup import setup_megatron_policy
+
+    cfg = tiny_config(**policy_overrides)
+    model_parallel_cuda_manual_seed(cfg.policy.megatron_cfg.seed)
+    torch.manual_seed(cfg.policy.megatron_cfg.seed)
+    return setup_megatron_policy(cfg.policy, VOCAB_SIZE), cfg.policy
+
+
+def make_batch(
+    response_lengths: list[int],
+    prompt_length: int = 5,
+    seq_length: int = 16,
+    sample_mask: list[float] | None = None,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A right-padded RL batch: prompt tokens, then response tokens (token_mask 1), then padding."""
+    generator = torch.Generator().manual_seed(seed)
+    num_samples = len(response_lengths)
+    input_ids = torch.randint(1, VOCAB_SIZE, (num_samples, seq_length), generator=generator)
+    token_mask = torch.zeros(num_samples, seq_length)
+    lengths = []
+    for row, response_length in enumerate(response_lengths):
+        end = prompt_length + response_length
+        assert end <= seq_length
+        token_mask[row, prompt_length:end] = 1.0
+        input_ids[row, end:] = 0
+        lengths.append(end)
+    advantages = torch.randn(num_samples, 1, generator=generator).expand(num_samples, seq_length).clone()
+    return {
+        "input_ids": input_ids,
+        "input_lengths": torch.tensor(lengths),
+        "token_mask": token_mask,
+        "sample_mask": torch.tensor(sample_mask if sample_mask is not None else [1.0] * num_samples),
+        "advantages": advantages,
+        "prev_logprobs": torch.full((num_samples, seq_length), -3.0),
+    }
+
+
+def gradients(policy) -> dict[str, torch.Tensor]:
+    """Every parameter's accumulated gradient (DDP main_grad), by name."""
+    return {name: param.main_grad.detach().clone() for name, param in policy.model.module.named_parameters()}
+
+
+def mtp_parameter_names(policy) -> list[str]:
+    return [name for name, _ in policy.model.module.named_parameters() if name.startswith("mtp.")]

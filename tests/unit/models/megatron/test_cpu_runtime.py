@@ -1,0 +1,63 @@
+"""The CPU adaptation of megatron-core: idempotent, logged, scoped, and off where CUDA exists."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from megatron.core.tensor_parallel import random as megatron_random
+
+from nemo_rl_mtp.models.megatron import cpu_runtime
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only adaptation")
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_install_is_idempotent():
+    patched = (torch.cuda.current_device, megatron_random._set_cuda_rng_state, megatron_random.CudaRNGStatesTracker.add)
+    assert cpu_runtime.install() is True
+    assert cpu_runtime.install() is True
+    assert patched == (torch.cuda.current_device, megatron_random._set_cuda_rng_state, megatron_random.CudaRNGStatesTracker.add)
+    assert torch.cuda.current_device() == torch.device("cpu")
+
+
+def test_install_logs_what_it_adapted(caplog, monkeypatch):
+    monkeypatch.setattr(cpu_runtime, "_INSTALLED", False)
+    with caplog.at_level(logging.INFO, logger=cpu_runtime.__name__):
+        cpu_runtime.install()
+    assert "megatron-core adapted to CPU" in caplog.text
+    assert "CudaRNGStatesTracker.add" in caplog.text
+
+
+def test_nothing_is_patched_when_cuda_is_available(caplog, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpu_runtime, "_INSTALLED", False)
+    with caplog.at_level(logging.INFO, logger=cpu_runtime.__name__):
+        assert cpu_runtime.install() is False
+    assert "runs unmodified" in caplog.text
+    assert cpu_runtime.distributed_backend() == "nccl"
+    with cpu_runtime.device_scope():
+        assert torch.zeros(1).device.type == "cpu"  # nullcontext: no redirection installed
+
+
+def test_device_scope_redirects_cuda_literals_only_inside():
+    with cpu_runtime.device_scope():
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
+        assert torch.ones(2).cuda().device.type == "cpu"
+        assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(2, device="cuda")
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_rng_tracker_forks_the_cpu_generator():
+    tracker = megatron_random.get_cuda_rng_tracker()
+    outside_before = torch.get_rng_state()
+    with tracker.fork():
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outside_before)  # the default stream is untouched
+    with tracker.fork():
+        second = torch.rand(3)
+    assert not torch.equal(first, second)  # the tracked stream advanced

@@ -1,0 +1,64 @@
+"""Config loading: exemplar defaults, inheritance, overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_rl_mtp.utils.config import ConfigError, load_config
+
+
+def test_exemplar_loads_and_is_read_only():
+    cfg = load_config()
+    assert cfg.policy.megatron_cfg.mtp_num_layers >= 0
+    with pytest.raises(Exception):
+        cfg.policy.train_micro_batch_size = 3
+
+
+def test_override_with_correct_type():
+    cfg = load_config(overrides=["policy.megatron_cfg.mtp_num_layers=2", "policy.megatron_cfg.optimizer.lr=3e-4"])
+    assert cfg.policy.megatron_cfg.mtp_num_layers == 2
+    assert cfg.policy.megatron_cfg.optimizer.lr == pytest.approx(3e-4)
+
+
+def test_recipe_inherits_through_defaults(tmp_path):
+    (tmp_path / "base.yaml").write_text("policy:\n  megatron_cfg:\n    mtp_num_layers: 3\n    hidden_size: 128\n")
+    (tmp_path / "child.yaml").write_text("defaults: base.yaml\npolicy:\n  megatron_cfg:\n    hidden_size: 96\n")
+    cfg = load_config(tmp_path / "child.yaml", ["policy.train_micro_batch_size=8"])
+    assert cfg.policy.megatron_cfg.mtp_num_layers == 3  # from base
+    assert cfg.policy.megatron_cfg.hidden_size == 96  # child wins
+    assert cfg.policy.train_micro_batch_size == 8  # override wins
+    assert cfg.policy.megatron_cfg.num_layers == load_config().policy.megatron_cfg.num_layers  # exemplar
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("policy.megatron_cfg.mtp_num_layerz=2", "mtp_num_layerz"),
+        ("policy.megatron_cfg.mtp_num_layers=two", "policy.megatron_cfg.mtp_num_layers"),
+        ("policy.sequence_packing.enabled=maybe", "policy.sequence_packing.enabled"),
+        ("policy.megatron_cfg.params_dtype=fp8", "policy.megatron_cfg.params_dtype"),
+        ("policy.megatron_cfg.mtp_num_layers=-1", "policy.megatron_cfg.mtp_num_layers"),
+        ("policy.train_micro_batch_size=7", "policy.train_global_batch_size"),
+        ("policy.megatron_cfg.recompute_granularity=full", "policy.megatron_cfg.recompute_method"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_key(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+def test_unknown_key_in_a_recipe_names_file_and_key(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("policy:\n  megatron_cfg:\n    mtp_layers: 2\n")
+    with pytest.raises(ConfigError, match=r"recipe\.yaml.*policy\.megatron_cfg\.mtp_layers"):
+        load_config(recipe)
+
+
+def test_defaults_cycle_and_missing_file_are_errors(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("defaults: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
