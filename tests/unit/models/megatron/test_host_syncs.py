@@ -1,0 +1,77 @@
+"""The mask, packing and metrics code reads device values on the host a fixed number of times per
+step, never per microbatch. On a GPU each such read (item, tolist, bool, ...) is a host-device
+synchronisation; on the CPU we count the reads made from nemo_rl_mtp code."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import nemo_rl_mtp
+from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
+from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
+from tests.helpers import make_batch, make_policy
+from tests.unit.models.megatron.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+HOST_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+}
+PACKAGE_DIR = str(Path(nemo_rl_mtp.__file__).parent)
+TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+class HostReadCounter(TorchFunctionMode):
+    """Counts host reads of tensor values by the code location that asked for them."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_location = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            frame = sys._getframe(1)
+            # Skip torch's dispatch and any other torch function mode (cpu_runtime's) in between.
+            while frame is not None and (
+                frame.f_code.co_filename.startswith(TORCH_DIR) or frame.f_code.co_name == "__torch_function__"
+            ):
+                frame = frame.f_back
+            if frame is not None:
+                self.by_location[f"{frame.f_code.co_filename}:{frame.f_code.co_name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def ours(self) -> Counter:
+        return Counter({location: n for location, n in self.by_location.items() if location.startswith(PACKAGE_DIR)})
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_host_reads_of_our_code_do_not_grow_with_microbatches(packed):
+    counts = []
+    for micro_batch_size in (8, 2):
+        policy, cfg = make_policy(
+            megatron_cfg__mtp_num_layers=2,
+            train_micro_batch_size=micro_batch_size,
+            train_global_batch_size=8,
+            sequence_packing__enabled=packed,
+        )
+        with HostReadCounter() as counter:
+            _, num_microbatches = forward_backward_global_batch(policy, make_batch(RAGGED_RESPONSES), PG_LOSS, cfg)
+            get_mtp_metrics(num_microbatches)
+        counts.append(counter.ours())
+    one_microbatch, four_microbatches = counts
+    assert one_microbatch == four_microbatches, (one_microbatch, four_microbatches)
+    # Per step: batch lengths (host tensor), G, the step metrics and the MTP metrics, MTP grad norm.
+    assert sum(four_microbatches.values()) <= 6, four_microbatches
