@@ -27,6 +27,9 @@ _CHOICES = {
     "policy.megatron_cfg.position_embedding_type": {"rope", "learned_absolute"},
     "policy.megatron_cfg.recompute_granularity": {None, "full", "selective"},
     "policy.megatron_cfg.recompute_method": {None, "uniform", "block"},
+    "env.task": {"reverse", "sort", "count_up"},
+    "logger.wandb.mode": {"auto", "online", "offline"},
+    "cluster.gpus_per_worker": {0, 1},
 }
 
 
@@ -93,6 +96,72 @@ def validate_config(cfg: DictConfig) -> None:
         "policy.megatron_cfg.sequence_parallel",
         megatron.sequence_parallel,
         "needs tensor_model_parallel_size > 1",
+    )
+    if megatron.context_parallel_size > 1:
+        _require(
+            megatron.transformer_impl == "transformer_engine" and policy.sequence_packing.enabled,
+            "policy.megatron_cfg.context_parallel_size",
+            megatron.context_parallel_size,
+            "context parallelism needs transformer_impl=transformer_engine and sequence_packing.enabled=true",
+        )
+    _validate_grpo(cfg)
+
+
+def data_parallel_size(cfg: DictConfig) -> int:
+    megatron = cfg.policy.megatron_cfg
+    model_parallel = (
+        megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size * megatron.context_parallel_size
+    )
+    return cfg.cluster.num_nodes * cfg.cluster.workers_per_node // model_parallel
+
+
+def _validate_grpo(cfg: DictConfig) -> None:
+    grpo, policy, env, cluster = cfg.grpo, cfg.policy, cfg.env, cfg.cluster
+    megatron = policy.megatron_cfg
+    world_size = cluster.num_nodes * cluster.workers_per_node
+    model_parallel = (
+        megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size * megatron.context_parallel_size
+    )
+    _require(world_size >= 1, "cluster.workers_per_node", cluster.workers_per_node, "need at least one worker")
+    _require(
+        world_size % model_parallel == 0,
+        "cluster.workers_per_node",
+        cluster.workers_per_node,
+        f"nodes x workers ({world_size}) must be a multiple of tensor x pipeline x context parallel ({model_parallel})",
+    )
+    data_parallel = world_size // model_parallel
+    samples = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
+    _require(grpo.num_generations_per_prompt >= 2, "grpo.num_generations_per_prompt", grpo.num_generations_per_prompt, "group advantages need >= 2 samples per prompt")
+    _require(grpo.max_num_steps >= 1, "grpo.max_num_steps", grpo.max_num_steps, "must be >= 1")
+    _require(
+        samples % policy.train_global_batch_size == 0,
+        "policy.train_global_batch_size",
+        policy.train_global_batch_size,
+        f"must divide the samples per step (num_prompts_per_step x num_generations_per_prompt = {samples})",
+    )
+    _require(
+        policy.train_global_batch_size % (policy.train_micro_batch_size * data_parallel) == 0,
+        "policy.train_global_batch_size",
+        policy.train_global_batch_size,
+        f"must be a multiple of train_micro_batch_size x data-parallel size ({policy.train_micro_batch_size} x {data_parallel})",
+    )
+    _require(
+        grpo.num_prompts_per_step % data_parallel == 0,
+        "grpo.num_prompts_per_step",
+        grpo.num_prompts_per_step,
+        f"must split evenly over the {data_parallel} data-parallel ranks that generate",
+    )
+    _require(1 <= env.min_digits <= env.max_digits, "env.min_digits", env.min_digits, f"must be in [1, env.max_digits={env.max_digits}]")
+    generation = policy.generation
+    _require(generation.temperature > 0, "policy.generation.temperature", generation.temperature, "must be > 0")
+    _require(0 < generation.top_p <= 1, "policy.generation.top_p", generation.top_p, "must be in (0, 1]")
+    _require(generation.max_new_tokens >= 1, "policy.generation.max_new_tokens", generation.max_new_tokens, "must be >= 1")
+    longest_prompt = env.max_digits + 2  # <bos> digits =
+    _require(
+        longest_prompt + generation.max_new_tokens <= policy.max_total_sequence_length,
+        "policy.max_total_sequence_length",
+        policy.max_total_sequence_length,
+        f"too short for the longest prompt ({longest_prompt} tokens) plus max_new_tokens={generation.max_new_tokens}",
     )
 
 

@@ -56,14 +56,75 @@ class SequencePackingConfig:
 
 
 @dataclass
+class GenerationConfig:
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
+@dataclass
 class PolicyConfig:
     train_global_batch_size: int
     train_micro_batch_size: int
     max_total_sequence_length: int
     sequence_packing: SequencePackingConfig
+    generation: GenerationConfig
     megatron_cfg: MegatronConfig
 
 
 @dataclass
+class GRPOConfig:
+    num_prompts_per_step: int
+    num_generations_per_prompt: int
+    max_num_steps: int
+    normalize_rewards: bool
+    seed: int
+
+
+@dataclass
+class LossConfig:
+    ratio_clip_min: float
+    ratio_clip_max: float
+    reference_policy_kl_penalty: float
+
+
+@dataclass
+class EnvConfig:
+    task: str
+    min_digits: int
+    max_digits: int
+
+
+@dataclass
+class ClusterConfig:
+    num_nodes: int
+    workers_per_node: int
+    address: Optional[str]
+    cpus_per_worker: int
+    gpus_per_worker: int
+
+
+@dataclass
+class WandbConfig:
+    project: str
+    mode: str
+
+
+@dataclass
+class LoggerConfig:
+    log_dir: str
+    run_name: Optional[str]
+    console: bool
+    tensorboard_enabled: bool
+    wandb_enabled: bool
+    wandb: WandbConfig
+
+
+@dataclass
 class MasterConfig:
+    grpo: GRPOConfig
+    loss_fn: LossConfig
     policy: PolicyConfig
+    env: EnvConfig
+    cluster: ClusterConfig
+    logger: LoggerConfig

@@ -1,8 +1,10 @@
-"""MTP metrics from megatron-core's ``MTPLossLoggingHelper`` tracker."""
+"""MTP metrics from megatron-core's ``MTPLossLoggingHelper`` tracker, and sharing results of the
+last pipeline stage."""
 
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 
@@ -28,3 +30,16 @@ def get_mtp_metrics(num_microbatches: int) -> dict[str, float]:
         metrics[f"mtp_{layer}_loss"] = loss
         metrics[f"mtp_{layer}_acceptance_rate"] = rate
     return metrics
+
+
+def broadcast_from_last_pipeline_stage(values):
+    """Values computed on the last pipeline stage, made known to every stage."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    holder = [values]
+    torch.distributed.broadcast_object_list(
+        holder,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return holder[0]

@@ -36,6 +36,10 @@ class Microbatch:
     # Position-aligned inputs of the policy loss: entry p concerns the token predicted at p.
     # Always holds ``target_ids`` and ``loss_mask`` (response tokens of valid samples).
     loss_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Packed only: for each packed position, its flat index in the microbatch's [b * s] rows
+    # (-1 on padding), to scatter per-token results back to rows of ``rows_shape``.
+    source_index: Optional[torch.Tensor] = None
+    rows_shape: Optional[tuple[int, int]] = None
 
     def to(self, device: torch.device) -> "Microbatch":
         def move(tensor):
@@ -59,6 +63,8 @@ class Microbatch:
             packed_seq_params=params,
             mtp_loss_mask=move(self.mtp_loss_mask),
             loss_inputs={key: move(value) for key, value in self.loss_inputs.items()},
+            source_index=move(self.source_index),
+            rows_shape=self.rows_shape,
         )
 
 
@@ -175,7 +181,7 @@ def _unpacked_microbatch(rows: dict[str, torch.Tensor], seq_length: int) -> Micr
 def _packed_microbatch(
     rows: dict[str, torch.Tensor], lengths: list[int], multiple: int, cp_rank: int, cp_size: int
 ) -> Microbatch:
-    packed, cu_seqlens_padded, max_seqlen = pack_sequences(rows, lengths, multiple, cp_rank, cp_size)
+    packed, cu_seqlens_padded, max_seqlen, source_index = pack_sequences(rows, lengths, multiple, cp_rank, cp_size)
     cu_seqlens = torch.tensor(cu_seqlens_padded, dtype=torch.int32)
     # cu_seqlens_q is the padded layout too: megatron's packed roll_tensor (MTP labels and loss
     # mask) slices by cu_seqlens_q, so it must describe where each sequence sits in the pack.
@@ -195,12 +201,14 @@ def _packed_microbatch(
         packed_seq_params=params,
         mtp_loss_mask=packed.get("mtp_loss_mask"),
         loss_inputs={key: value for key, value in packed.items() if key not in _MODEL_KEYS},
+        source_index=source_index,
+        rows_shape=tuple(rows["input_ids"].shape),
     )
 
 
 def pack_sequences(
     rows: dict[str, torch.Tensor], lengths: list[int], multiple: int, cp_rank: int, cp_size: int
-) -> tuple[dict[str, torch.Tensor], list[int], int]:
+) -> tuple[dict[str, torch.Tensor], list[int], int, torch.Tensor]:
     """Pack ``[b, s]`` rows into ``[1, t]`` THD rows, every tensor through the same index.
 
     Each sequence keeps its first ``length`` tokens, is zero-padded to a multiple of ``multiple``
@@ -208,7 +216,8 @@ def pack_sequences(
     of its ``2 * cp_size`` chunks (megatron's load-balanced split).
 
     Returns the packed tensors, the padded cumulative lengths (full sequences, before the CP split,
-    as megatron expects) and the longest padded sequence.
+    as megatron expects), the longest padded sequence, and each packed position's flat index in the
+    ``[b * s]`` rows (-1 on padding).
     """
     seq_length = next(iter(rows.values())).shape[1]
     gather_index, valid, cu_seqlens_padded = _packing_index(lengths, seq_length, multiple, cp_rank, cp_size)
@@ -217,7 +226,8 @@ def pack_sequences(
         for key, value in rows.items()
     }
     padded_lengths = [end - start for start, end in zip(cu_seqlens_padded, cu_seqlens_padded[1:])]
-    return packed, cu_seqlens_padded, max(padded_lengths)
+    source_index = torch.where(valid, gather_index, -1)
+    return packed, cu_seqlens_padded, max(padded_lengths), source_index
 
 
 def _packing_index(

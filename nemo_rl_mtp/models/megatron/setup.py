@@ -34,6 +34,8 @@ class MegatronPolicyModel:
     optimizer: MegatronOptimizer
     config: TransformerConfig
     transformer_impl: str
+    # The tokenizer's vocabulary; the output layer may hold a few more (padding) ids.
+    vocab_size: int
 
 
 def initialize_model_parallel(megatron_cfg, rank: int, world_size: int, init_method: str) -> None:
@@ -137,9 +139,9 @@ def build_layer_spec(transformer_impl: str, config: TransformerConfig):
 
 
 def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
-    """Vocab rounded up so the output layer splits evenly over tensor-parallel ranks."""
-    multiple = 8 * tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple
+    """Vocab rounded up so the output layer splits evenly over tensor-parallel ranks (logprobs and
+    sampling mask the padding ids out)."""
+    return -(-vocab_size // tensor_model_parallel_size) * tensor_model_parallel_size
 
 
 def build_model(
@@ -214,5 +216,7 @@ def setup_megatron_policy(policy_cfg, vocab_size: int) -> MegatronPolicyModel:
     config.finalize_model_grads_func = finalize_grads_of_prenormalised_loss
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model.no_sync
-    return MegatronPolicyModel(model=model, optimizer=optimizer, config=config, transformer_impl=transformer_impl)
+    return MegatronPolicyModel(
+        model=model, optimizer=optimizer, config=config, transformer_impl=transformer_impl, vocab_size=vocab_size
+    )
 

@@ -34,6 +34,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from nemo_rl_mtp.models.megatron import cpu_runtime
+from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage
 from nemo_rl_mtp.models.megatron.data import (
     Microbatch,
     build_microbatches,
@@ -82,7 +83,13 @@ def forward_backward_global_batch(
     policy.optimizer.zero_grad()
     with cpu_runtime.device_scope(), mtp_grad_scale(config, global_tokens):
         microbatch_metrics = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, loss_fn=loss_fn, global_valid_tokens=global_tokens),
+            forward_step_func=partial(
+                forward_step,
+                loss_fn=loss_fn,
+                global_valid_tokens=global_tokens,
+                temperature=policy_cfg.generation.temperature,
+                vocab_size=policy.vocab_size,
+            ),
             data_iterator=iter(microbatches),
             model=[model],
             num_microbatches=len(microbatches),
@@ -133,7 +140,13 @@ def mtp_grad_scale(config, global_valid_tokens: torch.Tensor):
 
 
 def forward_step(
-    data_iterator: Iterator[Microbatch], model, *, loss_fn: PolicyLossFn, global_valid_tokens: torch.Tensor
+    data_iterator: Iterator[Microbatch],
+    model,
+    *,
+    loss_fn: PolicyLossFn,
+    global_valid_tokens: torch.Tensor,
+    temperature: float,
+    vocab_size: int,
 ):
     """megatron's ``forward_step_func``: MTP mask in as ``loss_mask``, no labels (RL mode)."""
     microbatch = next(data_iterator)
@@ -145,20 +158,38 @@ def forward_step(
         labels=None,
         loss_mask=microbatch.mtp_loss_mask,
     )
-    return logits, partial(policy_loss, microbatch, loss_fn, global_valid_tokens)
+    return logits, partial(policy_loss, microbatch, loss_fn, global_valid_tokens, temperature, vocab_size)
 
 
-def policy_loss(microbatch: Microbatch, loss_fn: PolicyLossFn, global_valid_tokens: torch.Tensor, logits):
-    logprobs = token_logprobs(logits, microbatch.loss_inputs["target_ids"])
+def policy_loss(
+    microbatch: Microbatch,
+    loss_fn: PolicyLossFn,
+    global_valid_tokens: torch.Tensor,
+    temperature: float,
+    vocab_size: int,
+    logits,
+):
+    logprobs = token_logprobs(logits, microbatch.loss_inputs["target_ids"], temperature, vocab_size)
     loss, metrics = loss_fn(logprobs, microbatch.loss_inputs, global_valid_tokens)
     num_tokens = microbatch.loss_inputs["loss_mask"].sum().to(torch.int)
     # Three values: under calculate_per_token_loss megatron leaves the (pre-normalised) loss as is.
     return loss, num_tokens, metrics
 
 
-def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position from (vocab-parallel) logits ``[b, s, v/tp]``."""
-    return -vocab_parallel_cross_entropy(logits.float(), target_ids)
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
+    """log p(target) per position under the sampling temperature, from (vocab-parallel) logits
+    ``[b, s, v/tp]``, over the real vocabulary (padding ids excluded, as in sampling)."""
+    return -vocab_parallel_cross_entropy(mask_padding_ids(logits.float(), vocab_size) / temperature, target_ids)
+
+
+def mask_padding_ids(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """-inf on the output-layer ids beyond the tokenizer's vocabulary, on this TP rank's shard."""
+    shard_size = logits.shape[-1]
+    first_id = parallel_state.get_tensor_model_parallel_rank() * shard_size
+    if first_id + shard_size <= vocab_size:
+        return logits
+    ids = torch.arange(first_id, first_id + shard_size, device=logits.device)
+    return logits.masked_fill(ids >= vocab_size, float("-inf"))
 
 
 def sum_over_global_batch(microbatch_metrics: list[dict[str, torch.Tensor]], device) -> dict[str, float]:
@@ -175,19 +206,6 @@ def sum_over_global_batch(microbatch_metrics: list[dict[str, torch.Tensor]], dev
         torch.distributed.all_reduce(totals, group=group)
         metrics = dict(zip(keys, totals.tolist()))
     return broadcast_from_last_pipeline_stage(metrics)
-
-
-def broadcast_from_last_pipeline_stage(values):
-    """Values computed on the last pipeline stage, made known to every stage."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return values
-    holder = [values]
-    torch.distributed.broadcast_object_list(
-        holder,
-        src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group(),
-    )
-    return holder[0]
 
 
 def mtp_gradient_norm(model) -> float:

@@ -1,4 +1,4 @@
-"""One data-parallel rank of the policy: a megatron-core GPTModel with MTP heads.
+"""One rank of the policy: a megatron-core GPTModel with MTP heads, as a Ray actor.
 
 Ray ships this class to its actor processes with cloudpickle. cloudpickle also pickles the
 modules a method's code names, so a method that mentioned ``config`` next to
@@ -11,13 +11,73 @@ from __future__ import annotations
 
 
 class MegatronPolicyWorker:
-    def __init__(self, policy_cfg, vocab_size: int, rank: int, world_size: int, init_method: str):
+    def __init__(
+        self,
+        policy_cfg,
+        vocab_size: int,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        keep_reference_weights: bool = False,
+    ):
         from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy
 
         self.policy_cfg = policy_cfg
+        self.vocab_size = vocab_size
         self.rank = rank
         initialize_model_parallel(policy_cfg.megatron_cfg, rank, world_size, init_method)
         self.policy = setup_megatron_policy(policy_cfg, vocab_size)
+        # The reference policy for the KL penalty: the initial weights, kept on the host.
+        self.reference_weights = self._host_copy_of_weights() if keep_reference_weights else None
+
+    def parallel_ranks(self) -> dict[str, int]:
+        """Where this worker sits in megatron's parallel layout."""
+        from megatron.core import parallel_state
+
+        return {
+            "rank": self.rank,
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "cp_rank": parallel_state.get_context_parallel_rank(),
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        }
+
+    def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int) -> dict:
+        """Responses to this rank's share of the prompts (shares are equal and contiguous)."""
+        from megatron.core import parallel_state
+
+        from nemo_rl_mtp.models.generation.megatron_generation import generate
+
+        first_sample_index = parallel_state.get_data_parallel_rank() * len(prompts)
+        return generate(
+            self.policy.model,
+            prompts,
+            self.policy_cfg.generation,
+            self.vocab_size,
+            eos_id,
+            pad_id,
+            seed,
+            first_sample_index,
+        )
+
+    def get_logprobs(self, batch: dict):
+        from nemo_rl_mtp.models.megatron.inference import compute_logprobs
+
+        return compute_logprobs(self.policy, batch, self.policy_cfg)
+
+    def get_reference_logprobs(self, batch: dict):
+        """Logprobs under the initial weights (the weights being trained are restored after)."""
+        from nemo_rl_mtp.models.megatron.inference import compute_logprobs
+
+        current = self._host_copy_of_weights()
+        module = self.policy.model.module
+        module.load_state_dict(self.reference_weights)
+        try:
+            return compute_logprobs(self.policy, batch, self.policy_cfg)
+        finally:
+            module.load_state_dict(current)
 
     def train(self, batch: dict, loss_fn) -> dict[str, float]:
         """One optimizer step on this rank's share of a global batch; metrics are global."""
@@ -31,9 +91,12 @@ class MegatronPolicyWorker:
         """Per-layer MTP loss and acceptance from the last pipeline stage, as ``mtp/...`` keys."""
         from megatron.core import parallel_state
 
-        from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
-        from nemo_rl_mtp.models.megatron.train import broadcast_from_last_pipeline_stage
+        from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage, get_mtp_metrics
 
         metrics = get_mtp_metrics(num_microbatches) if parallel_state.is_pipeline_last_stage() else None
         metrics = broadcast_from_last_pipeline_stage(metrics)
         return {f"mtp/{name}": value for name, value in metrics.items()}
+
+    def _host_copy_of_weights(self) -> dict:
+        state = self.policy.model.module.state_dict()
+        return {name: value.detach().to("cpu", copy=True) if hasattr(value, "detach") else value for name, value in state.items()}

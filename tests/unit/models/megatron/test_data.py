@@ -49,7 +49,7 @@ def test_packed_mask_lines_up_with_packed_input_ids(multiple):
     batch = make_batch([3, 7, 1, 6], seq_length=16)
     lengths = batch["input_lengths"].tolist()
     mask = compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"])
-    packed, cu_seqlens, max_seqlen = pack_sequences(
+    packed, cu_seqlens, max_seqlen, _ = pack_sequences(
         {"input_ids": batch["input_ids"], "mtp_loss_mask": mask}, lengths, multiple, cp_rank=0, cp_size=1
     )
     assert packed["input_ids"].shape == packed["mtp_loss_mask"].shape == (1, cu_seqlens[-1])
@@ -71,7 +71,7 @@ def test_context_parallel_split_is_the_same_for_mask_and_input_ids():
     lengths = batch["input_lengths"].tolist()
     mask = compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"])
     rows = {"input_ids": batch["input_ids"], "mtp_loss_mask": mask, "position": torch.arange(16).expand(3, 16)}
-    full, cu_seqlens, _ = pack_sequences(rows, lengths, multiple, cp_rank=0, cp_size=1)
+    full, cu_seqlens, _, _ = pack_sequences(rows, lengths, multiple, cp_rank=0, cp_size=1)
     shards = [pack_sequences(rows, lengths, multiple, cp_rank=rank, cp_size=cp_size)[0] for rank in range(cp_size)]
     for start, end in zip(cu_seqlens, cu_seqlens[1:]):
         chunk = (end - start) // (2 * cp_size)

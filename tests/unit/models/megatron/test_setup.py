@@ -54,6 +54,6 @@ def test_auto_impl_is_local_without_cuda():
 
 
 def test_vocab_is_padded_for_tensor_parallelism():
-    assert padded_vocab_size(30, 1) == 32
-    assert padded_vocab_size(30, 2) == 32
-    assert padded_vocab_size(33, 4) == 64
+    assert padded_vocab_size(30, 1) == 30
+    assert padded_vocab_size(30, 4) == 32
+    assert padded_vocab_size(33, 2) == 34

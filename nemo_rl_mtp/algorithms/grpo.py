@@ -1,0 +1,131 @@
+"""GRPO with the MTP heads training alongside the policy.
+
+Each step: prompts -> n samples per prompt from the current policy -> rewards from the
+environment -> group-normalised advantages -> previous (and reference) logprobs -> optimizer
+step(s) on the clipped policy-gradient loss plus the MTP loss. Generation runs on the policy
+workers themselves, so it always samples from the newest weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
+from nemo_rl_mtp.data.tokenizer import DigitTokenizer
+from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
+from nemo_rl_mtp.utils.logger import Logger
+
+logger = logging.getLogger(__name__)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, normalize: bool) -> torch.Tensor:
+    """Reward minus its group's mean, divided by the group's std when ``normalize`` (groups are
+    consecutive runs of ``group_size`` samples of one prompt)."""
+    grouped = rewards.view(-1, group_size)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + 1e-6)
+    return advantages.reshape(-1)
+
+
+def build_train_batch(generation: dict[str, torch.Tensor], advantages: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The policy's training inputs: response tokens (with the end-of-sequence token) are trained."""
+    tokens, lengths, prompt_lengths = generation["tokens"], generation["lengths"], generation["prompt_lengths"]
+    positions = torch.arange(tokens.shape[1])[None, :]
+    token_mask = ((positions >= prompt_lengths[:, None]) & (positions < lengths[:, None])).float()
+    return {
+        "input_ids": tokens,
+        "input_lengths": lengths,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(tokens.shape[0]),
+        "advantages": advantages[:, None].expand_as(token_mask).contiguous(),
+    }
+
+
+def run_directory(logger_cfg) -> Path:
+    name = logger_cfg.run_name or datetime.now().strftime("grpo-%Y%m%d-%H%M%S")
+    return Path(logger_cfg.log_dir) / name
+
+
+def grpo_train(cfg) -> list[dict[str, float]]:
+    """Run GRPO as configured; returns the logged metrics of every step."""
+    from nemo_rl_mtp.models.policy.lm_policy import Policy
+
+    tokenizer = DigitTokenizer()
+    env = DigitTaskEnvironment(cfg.env, tokenizer)
+    loss_fn = ClippedPGLossFn(
+        ratio_clip_min=cfg.loss_fn.ratio_clip_min,
+        ratio_clip_max=cfg.loss_fn.ratio_clip_max,
+        reference_policy_kl_penalty=cfg.loss_fn.reference_policy_kl_penalty,
+    )
+    run_dir = run_directory(cfg.logger)
+    log = Logger(cfg.logger, run_dir, cfg, cfg.grpo.max_num_steps)
+    policy = Policy(cfg, tokenizer.vocab_size)
+    history = []
+    try:
+        prompt_generator = torch.Generator().manual_seed(cfg.grpo.seed)
+        for step in range(cfg.grpo.max_num_steps):
+            metrics = grpo_step(cfg, step, policy, env, tokenizer, loss_fn, prompt_generator)
+            log.log(metrics, step)
+            history.append(metrics)
+    finally:
+        log.close()
+        policy.shutdown()
+    logger.info("run logged to %s", run_dir)
+    return history
+
+
+def grpo_step(cfg, step, policy, env, tokenizer, loss_fn, prompt_generator) -> dict[str, float]:
+    grpo = cfg.grpo
+    group_size = grpo.num_generations_per_prompt
+    timings = {}
+    start = time.perf_counter()
+
+    digits = env.sample_prompts(grpo.num_prompts_per_step, prompt_generator)
+    digits = [prompt for prompt in digits for _ in range(group_size)]
+    prompts = [tokenizer.encode_prompt(prompt) for prompt in digits]
+    generation = policy.generate(prompts, tokenizer.eos_id, tokenizer.pad_id, seed=grpo.seed * 100_003 + step)
+    timings["generation_s"] = time.perf_counter() - start
+
+    responses = [
+        generation["tokens"][row, generation["prompt_lengths"][row] : generation["lengths"][row]].tolist()
+        for row in range(len(prompts))
+    ]
+    rewards = torch.tensor(env.rewards(digits, responses))
+    batch = build_train_batch(generation, group_advantages(rewards, group_size, grpo.normalize_rewards))
+
+    logprobs_start = time.perf_counter()
+    batch["prev_logprobs"] = policy.get_logprobs(batch)
+    if cfg.loss_fn.reference_policy_kl_penalty > 0:
+        batch["reference_logprobs"] = policy.get_reference_logprobs(batch)
+    timings["logprobs_s"] = time.perf_counter() - logprobs_start
+
+    train_start = time.perf_counter()
+    train_metrics = []
+    global_batch_size = cfg.policy.train_global_batch_size
+    for first in range(0, len(prompts), global_batch_size):
+        minibatch = {key: value[first : first + global_batch_size] for key, value in batch.items()}
+        train_metrics.append(policy.train(minibatch, loss_fn))
+    timings["train_s"] = time.perf_counter() - train_start
+    timings["step_s"] = time.perf_counter() - start
+
+    response_tokens = batch["token_mask"].sum()
+    metrics = {
+        "train/reward": rewards.mean().item(),
+        "train/accuracy": (rewards == 1.0).float().mean().item(),
+        "train/response_length": (response_tokens / len(prompts)).item(),
+        "train/tokens_per_s": (response_tokens / timings["generation_s"]).item(),
+        # Generation and training compute a token's logprob in different passes; they must agree.
+        "train/generation_logprob_error": (
+            ((generation["logprobs"] - batch["prev_logprobs"]).abs() * batch["token_mask"]).sum() / response_tokens
+        ).item(),
+    }
+    for key in train_metrics[0]:
+        metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
+    metrics.update({f"timing/{key}": value for key, value in timings.items()})
+    return metrics

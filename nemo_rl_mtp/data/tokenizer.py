@@ -1,0 +1,32 @@
+"""The character-level tokenizer of the digit tasks: four specials and the ten digits."""
+
+from __future__ import annotations
+
+
+class DigitTokenizer:
+    pad_id = 0
+    bos_id = 1
+    eos_id = 2
+    sep_id = 3  # "=", ends the prompt
+    first_digit_id = 4
+    vocab_size = 14
+
+    def encode_prompt(self, digits: list[int]) -> list[int]:
+        return [self.bos_id, *(self.first_digit_id + digit for digit in digits), self.sep_id]
+
+    def encode_answer(self, digits: list[int]) -> list[int]:
+        return [*(self.first_digit_id + digit for digit in digits), self.eos_id]
+
+    def response_digits(self, token_ids: list[int]) -> list[int]:
+        """The response up to its end-of-sequence token; non-digit tokens read as -1 (never right)."""
+        digits = []
+        for token in token_ids:
+            if token == self.eos_id:
+                break
+            digit = token - self.first_digit_id
+            digits.append(digit if 0 <= digit <= 9 else -1)
+        return digits
+
+    def render(self, token_ids: list[int]) -> str:
+        names = {self.pad_id: "_", self.bos_id: "", self.eos_id: "</s>", self.sep_id: "="}
+        return "".join(names.get(t, str(t - self.first_digit_id)) for t in token_ids)

@@ -1,0 +1,123 @@
+"""Forward-only passes through megatron's schedule: next-token logits for sampling, and the
+logprobs of a batch (previous-policy and reference logprobs for the GRPO loss)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from nemo_rl_mtp.models.megatron import cpu_runtime
+from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage
+from nemo_rl_mtp.models.megatron.data import Microbatch, build_microbatches, causal_attention_mask
+from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
+from nemo_rl_mtp.models.megatron.train import token_logprobs
+
+
+def forward_only(model, microbatches: list[Microbatch], outputs_of_logits) -> list[dict]:
+    """Run the microbatches forward in eval mode; ``outputs_of_logits(microbatch, logits)`` picks what
+    to keep. Returns one dict per microbatch on the last pipeline stage, [] elsewhere."""
+
+    def forward_step(data_iterator, model):
+        microbatch = next(data_iterator)
+        logits = model(
+            input_ids=microbatch.input_ids,
+            position_ids=microbatch.position_ids,
+            attention_mask=microbatch.attention_mask,
+            packed_seq_params=microbatch.packed_seq_params,
+            labels=None,
+        )
+        return logits, lambda output: (torch.zeros((), device=output.device), outputs_of_logits(microbatch, output))
+
+    model.eval()
+    try:
+        with torch.no_grad(), cpu_runtime.device_scope():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(microbatches),
+                model=[model],
+                num_microbatches=len(microbatches),
+                seq_length=microbatches[0].input_ids.shape[1],
+                micro_batch_size=microbatches[0].input_ids.shape[0],
+                forward_only=True,
+            )
+    finally:
+        model.train()
+
+
+def last_token_logits(model, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits ``[b, v]`` at each row's last token (row b ends at lengths[b] - 1),
+    on every pipeline stage."""
+    seq_length = input_ids.shape[1]
+    microbatch = Microbatch(
+        input_ids=input_ids,
+        position_ids=torch.arange(seq_length, device=input_ids.device).expand_as(input_ids),
+        attention_mask=causal_attention_mask(seq_length).to(input_ids.device),
+        packed_seq_params=None,
+        mtp_loss_mask=None,
+    )
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+
+    def keep_last(microbatch, logits):
+        return {"logits": gather_from_tensor_model_parallel_region(logits[rows, lengths - 1].float())}
+
+    outputs = forward_only(model, [microbatch], keep_last)
+    logits = outputs[0]["logits"] if outputs else None
+    return broadcast_from_last_pipeline_stage(logits)
+
+
+def compute_logprobs(policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], policy_cfg) -> torch.Tensor:
+    """Token-aligned logprobs ``[B, S]`` of the batch's tokens under the current weights and the
+    sampling temperature: entry t is log p(token t | tokens before t); entry 0 is 0."""
+    device = cpu_runtime.compute_device()
+    cp_size = parallel_state.get_context_parallel_world_size()
+    microbatches = [
+        microbatch.to(device)
+        for microbatch in build_microbatches(
+            batch,
+            micro_batch_size=policy_cfg.train_micro_batch_size,
+            pack_sequences=policy_cfg.sequence_packing.enabled,
+            megatron_cfg=policy_cfg.megatron_cfg,
+            cp_rank=parallel_state.get_context_parallel_rank(),
+            cp_size=cp_size,
+        )
+    ]
+
+    def keep_logprobs(microbatch, logits):
+        target_ids = microbatch.loss_inputs["target_ids"]
+        return {"logprobs": token_logprobs(logits, target_ids, policy_cfg.generation.temperature, policy.vocab_size)}
+
+    outputs = forward_only(policy.model, microbatches, keep_logprobs)
+    rows = None
+    if outputs:
+        rows = torch.cat(
+            [_to_rows(microbatch, output["logprobs"], cp_size) for microbatch, output in zip(microbatches, outputs)]
+        )
+    rows = broadcast_from_last_pipeline_stage(rows)
+    # Position p predicts token p + 1: shift to token alignment and back to the batch's width.
+    token_aligned = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    width = min(rows.shape[1] - 1, token_aligned.shape[1] - 1)
+    token_aligned[:, 1 : width + 1] = rows[:, :width].cpu()
+    return token_aligned
+
+
+def _to_rows(microbatch: Microbatch, values: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Per-position values of a microbatch as ``[b, s]`` rows (undoing packing and the CP split)."""
+    if microbatch.source_index is None:
+        return values
+    values, source_index = values.reshape(-1), microbatch.source_index
+    if cp_size > 1:
+        group = parallel_state.get_context_parallel_group()
+        gathered_values = [torch.empty_like(values) for _ in range(cp_size)]
+        gathered_index = [torch.empty_like(source_index) for _ in range(cp_size)]
+        torch.distributed.all_gather(gathered_values, values, group=group)
+        torch.distributed.all_gather(gathered_index, source_index, group=group)
+        values, source_index = torch.cat(gathered_values), torch.cat(gathered_index)
+    num_rows, seq_length = microbatch.rows_shape
+    rows = torch.zeros(num_rows * seq_length, dtype=values.dtype, device=values.device)
+    valid = source_index >= 0
+    rows[source_index[valid]] = values[valid]
+    return rows.reshape(num_rows, seq_length)

@@ -1,0 +1,92 @@
+"""The driver's view of the policy: Ray actors, one per rank, and the data-parallel sharding of
+the work sent to them."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+import torch
+
+from nemo_rl_mtp.distributed.ray_cluster import in_bundle, init_ray, rendezvous_address, reserve_workers, world_size
+from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorker
+
+logger = logging.getLogger(__name__)
+
+
+class Policy:
+    def __init__(self, cfg, vocab_size: int):
+        init_ray(cfg.cluster)
+        self.placement_group = reserve_workers(cfg.cluster)
+        init_method = rendezvous_address(self.placement_group)
+        size = world_size(cfg.cluster)
+        actor = ray.remote(MegatronPolicyWorker)
+        keep_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
+        self.workers = [
+            actor.options(
+                num_cpus=cfg.cluster.cpus_per_worker,
+                num_gpus=cfg.cluster.gpus_per_worker,
+                scheduling_strategy=in_bundle(self.placement_group, rank),
+            ).remote(cfg.policy, vocab_size, rank, size, init_method, keep_reference)
+            for rank in range(size)
+        ]
+        self.ranks = ray.get([worker.parallel_ranks.remote() for worker in self.workers])
+        self.dp_size = self.ranks[0]["dp_size"]
+        # Per data-parallel rank, the worker whose results are read (all its peers hold the same).
+        last_stage = self.ranks[0]["pp_size"] - 1
+        self.readers = {
+            info["dp_rank"]: worker
+            for worker, info in zip(self.workers, self.ranks)
+            if info["tp_rank"] == 0 and info["cp_rank"] == 0 and info["pp_rank"] == last_stage
+        }
+        logger.info("policy: %d workers, data-parallel size %d", size, self.dp_size)
+
+    def _shards(self, items):
+        """Contiguous data-parallel shards of a list or of a dict of [B, ...] tensors."""
+        if isinstance(items, dict):
+            size = next(iter(items.values())).shape[0] // self.dp_size
+            return [{key: value[rank * size : (rank + 1) * size] for key, value in items.items()} for rank in range(self.dp_size)]
+        size = len(items) // self.dp_size
+        return [items[rank * size : (rank + 1) * size] for rank in range(self.dp_size)]
+
+    def _run_sharded(self, method: str, data, *args):
+        """Call ``method`` on every worker with its data-parallel shard; results by dp rank."""
+        shard_refs = [ray.put(shard) for shard in self._shards(data)]
+        futures = {}
+        for worker, info in zip(self.workers, self.ranks):
+            future = getattr(worker, method).remote(shard_refs[info["dp_rank"]], *args)
+            if self.readers[info["dp_rank"]] is worker:
+                futures[info["dp_rank"]] = future
+            else:
+                futures.setdefault(("peer", info["rank"]), future)
+        results = ray.get(list(futures.values()))
+        by_key = dict(zip(futures.keys(), results))
+        return [by_key[rank] for rank in range(self.dp_size)]
+
+    def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int) -> dict[str, torch.Tensor]:
+        shards = self._run_sharded("generate", prompts, eos_id, pad_id, seed)
+        width = max(shard["tokens"].shape[1] for shard in shards)
+        merged = {}
+        for key in shards[0]:
+            parts = [shard[key] for shard in shards]
+            if parts[0].dim() == 2:
+                parts = [torch.nn.functional.pad(part, (0, width - part.shape[1]), value=pad_id if key == "tokens" else 0) for part in parts]
+            merged[key] = torch.cat(parts)
+        return merged
+
+    def get_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat(self._run_sharded("get_logprobs", batch))
+
+    def get_reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat(self._run_sharded("get_reference_logprobs", batch))
+
+    def train(self, batch: dict[str, torch.Tensor], loss_fn) -> dict[str, float]:
+        """One optimizer step on a global batch; the metrics are already global."""
+        return self._run_sharded("train", batch, loss_fn)[0]
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.placement_group)

@@ -1,0 +1,112 @@
+"""One logger fanning out to the console (a progress bar per step), a JSONL file, TensorBoard and
+Weights & Biases (offline when there is no API key or no network; `wandb sync` uploads later)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+logger = logging.getLogger(__name__)
+
+# Shown in the progress bar, when present: (metric key, short label).
+PROGRESS_FIELDS = (
+    ("train/reward", "reward"),
+    ("train/loss", "loss"),
+    ("train/mtp/mtp_1_loss", "mtp_loss"),
+    ("train/mtp/mtp_1_acceptance_rate", "mtp_acc"),
+    ("timing/step_s", "step_s"),
+)
+
+
+class Logger:
+    def __init__(self, logger_cfg, run_dir: Path, run_config, total_steps: int):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(run_config, run_dir / "config.yaml")
+        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        self.tensorboard = None
+        if logger_cfg.tensorboard_enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.wandb_run = None
+        if logger_cfg.wandb_enabled:
+            import wandb
+
+            mode = resolve_wandb_mode(logger_cfg.wandb.mode)
+            self.wandb_run = wandb.init(
+                project=logger_cfg.wandb.project,
+                name=run_dir.name,
+                dir=str(run_dir),
+                mode=mode,
+                config=OmegaConf.to_container(run_config, resolve=True),
+            )
+            logger.info("wandb run %s (%s) in %s", run_dir.name, mode, run_dir / "wandb")
+        self.progress = None
+        if logger_cfg.console:
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=total_steps, desc="GRPO", unit="step", dynamic_ncols=True)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        if self.progress is not None:
+            shown = {label: f"{metrics[key]:.3g}" for key, label in PROGRESS_FIELDS if key in metrics}
+            self.progress.set_postfix(shown, refresh=False)
+            self.progress.update(1)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        if self.progress is not None:
+            self.progress.close()
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """``auto``: online only with an API key and a reachable wandb server."""
+    if mode != "auto":
+        return mode
+    if not _wandb_api_key_configured():
+        return "offline"
+    return "online" if _reachable("api.wandb.ai", 443) else "offline"
+
+
+def _wandb_api_key_configured() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def _reachable(host: str, port: int, timeout: float = 2.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The JSONL log of a run, one dict per step."""
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def finite(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value)
