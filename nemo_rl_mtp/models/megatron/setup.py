@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from nemo_rl_mtp.models.megatron import cpu_runtime
+from nemo_rl_mtp.models.megatron import compat, cpu_runtime
 from nemo_rl_mtp.models.megatron.packed_attention import PackedSequenceDotProductAttention
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def initialize_model_parallel(megatron_cfg, rank: int, world_size: int, init_met
 
 
 def build_transformer_config(megatron_cfg) -> TransformerConfig:
+    compat.check_mtp_features_supported(megatron_cfg)
     dtype = _DTYPES[megatron_cfg.params_dtype]
     swiglu = megatron_cfg.activation == "swiglu"
     config_kwargs = dict(
@@ -98,13 +100,20 @@ def _apply_mtp_config(config_kwargs: dict, megatron_cfg) -> None:
     """Copy the MTP keys present in ``megatron_cfg`` onto the TransformerConfig arguments.
 
     With ``mtp_num_layers: 0`` (or absent) nothing is copied, so a non-MTP recipe builds exactly
-    the model it would without MTP support.
+    the model it would without MTP support. A key the installed release's TransformerConfig lacks
+    is left out when it asks for nothing (false); asking for it is rejected earlier
+    (``compat.check_mtp_features_supported``).
     """
     if "mtp_num_layers" not in megatron_cfg or not megatron_cfg["mtp_num_layers"]:
         return
+    supported = {field.name for field in dataclasses.fields(TransformerConfig)}
     for key in MTP_CONFIG_KEYS:
-        if key in megatron_cfg:
+        if key not in megatron_cfg:
+            continue
+        if key in supported:
             config_kwargs[key] = megatron_cfg[key]
+        else:
+            logger.info("%s=%s left out: this megatron-core has no such field (same behaviour)", key, megatron_cfg[key])
 
 
 def mtp_enabled(config: TransformerConfig) -> bool:
@@ -211,7 +220,11 @@ def setup_megatron_policy(policy_cfg, vocab_size: int) -> MegatronPolicyModel:
     """Model, optimizer and the config hooks megatron's schedule reads during a step."""
     megatron_cfg = policy_cfg.megatron_cfg
     config = build_transformer_config(megatron_cfg)
+    if mtp_enabled(config):
+        compat.apply_mtp_compat_shims()
     model, transformer_impl = build_model(megatron_cfg, config, vocab_size, policy_cfg.max_total_sequence_length)
+    if mtp_enabled(config):
+        compat.log_shim_coverage(model.module)
     optimizer = build_optimizer(model, megatron_cfg)
     config.finalize_model_grads_func = finalize_grads_of_prenormalised_loss
     config.grad_scale_func = optimizer.scale_loss

@@ -81,10 +81,15 @@ class MegatronPolicyWorker:
 
     def train(self, batch: dict, loss_fn) -> dict[str, float]:
         """One optimizer step on this rank's share of a global batch; metrics are global."""
+        from nemo_rl_mtp.models.megatron.compat import assert_mtp_trained
+        from nemo_rl_mtp.models.megatron.setup import mtp_enabled
         from nemo_rl_mtp.models.megatron.train import train_global_batch
 
         metrics, num_microbatches = train_global_batch(self.policy, batch, loss_fn, self.policy_cfg)
-        metrics.update(self._collect_mtp_metrics(num_microbatches))
+        mtp_metrics = self._collect_mtp_metrics(num_microbatches)
+        if mtp_enabled(self.policy.config):
+            assert_mtp_trained(self.policy.config, mtp_metrics, metrics["mtp/grad_norm"], metrics["global_valid_tokens"])
+        metrics.update(mtp_metrics)
         return metrics
 
     def _collect_mtp_metrics(self, num_microbatches: int) -> dict[str, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from nemo_rl_mtp.models.megatron.data import (
     build_microbatches,
@@ -86,14 +87,15 @@ def test_context_parallel_split_is_the_same_for_mask_and_input_ids():
 
 
 def test_padding_multiple_follows_context_and_sequence_parallelism():
-    assert sequence_length_multiple(_megatron_cfg()) == 1
-    assert sequence_length_multiple(_megatron_cfg(context_parallel_size=2)) == 4
-    assert (
-        sequence_length_multiple(
-            _megatron_cfg(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
-        )
-        == 8
-    )
+    def multiple(cp, tp, sp):
+        layout = {"context_parallel_size": cp, "tensor_model_parallel_size": tp, "sequence_parallel": sp}
+        return sequence_length_multiple(OmegaConf.create(layout))
+
+    assert multiple(1, 1, False) == 1
+    assert multiple(2, 1, False) == 4
+    assert multiple(2, 2, False) == 4
+    assert multiple(2, 2, True) == 8
+    assert multiple(1, 4, True) == 4
 
 
 def test_policy_loss_inputs_sit_at_the_predicting_position():
