@@ -14,6 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
+from nemo_rl_mtp.data.synthetic import synthetic_rl_batch
 from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
 from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy
 from nemo_rl_mtp.models.megatron.train import train_global_batch
@@ -21,20 +22,6 @@ from nemo_rl_mtp.utils.config import load_config
 
 VOCAB_SIZE = 32
 LOSS = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.0)
-
-
-def synthetic_batch(num_samples: int, seq_length: int, prompt_length: int = 8) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(prompt_length + 2, seq_length + 1, (num_samples,), generator=generator)
-    token_mask = (torch.arange(seq_length)[None] >= prompt_length) & (torch.arange(seq_length)[None] < lengths[:, None])
-    return {
-        "input_ids": torch.randint(1, VOCAB_SIZE, (num_samples, seq_length), generator=generator),
-        "input_lengths": lengths,
-        "token_mask": token_mask.float(),
-        "sample_mask": torch.ones(num_samples),
-        "advantages": torch.randn(num_samples, 1, generator=generator).expand(num_samples, seq_length).clone(),
-        "prev_logprobs": torch.full((num_samples, seq_length), -3.0),
-    }
 
 
 def main() -> None:
@@ -46,7 +33,10 @@ def main() -> None:
 
     base = load_config(overrides=args.overrides)
     initialize_model_parallel(base.policy.megatron_cfg, 0, 1, "tcp://127.0.0.1:29571")
-    batch = synthetic_batch(base.policy.train_global_batch_size, base.policy.max_total_sequence_length)
+    generator = torch.Generator().manual_seed(0)
+    seq_length, prompt_length = base.policy.max_total_sequence_length, 8
+    response_lengths = torch.randint(2, seq_length - prompt_length + 1, (base.policy.train_global_batch_size,), generator=generator)
+    batch = synthetic_rl_batch(response_lengths.tolist(), VOCAB_SIZE, prompt_length, seq_length)
     variants = {}
     for name, mtp_layers in (("mtp_off", 0), ("mtp_on", args.mtp_layers)):
         cfg = load_config(overrides=[*args.overrides, f"policy.megatron_cfg.mtp_num_layers={mtp_layers}"])

@@ -1,6 +1,18 @@
 import logging
+import os
 
 import pytest
+
+
+def pytest_sessionstart(session):
+    """Under the release matrix, make sure the intended megatron-core is the one imported."""
+    expected = os.environ.get("NEMO_RL_MTP_EXPECT_RELEASE")
+    if expected:
+        from nemo_rl_mtp.models.megatron.compat import megatron_core_version
+
+        installed = megatron_core_version()
+        if installed.split("+")[0] != expected:
+            raise pytest.UsageError(f"expected megatron-core {expected}, imported {installed}")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import socket
 
 import torch
 
+from nemo_rl_mtp.data.synthetic import synthetic_rl_batch
 from nemo_rl_mtp.utils.config import load_config
 
 VOCAB_SIZE = 32
@@ -51,26 +52,7 @@ def make_batch(
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """A right-padded RL batch: prompt tokens, then response tokens (token_mask 1), then padding."""
-    generator = torch.Generator().manual_seed(seed)
-    num_samples = len(response_lengths)
-    input_ids = torch.randint(1, VOCAB_SIZE, (num_samples, seq_length), generator=generator)
-    token_mask = torch.zeros(num_samples, seq_length)
-    lengths = []
-    for row, response_length in enumerate(response_lengths):
-        end = prompt_length + response_length
-        assert end <= seq_length
-        token_mask[row, prompt_length:end] = 1.0
-        input_ids[row, end:] = 0
-        lengths.append(end)
-    advantages = torch.randn(num_samples, 1, generator=generator).expand(num_samples, seq_length).clone()
-    return {
-        "input_ids": input_ids,
-        "input_lengths": torch.tensor(lengths),
-        "token_mask": token_mask,
-        "sample_mask": torch.tensor(sample_mask if sample_mask is not None else [1.0] * num_samples),
-        "advantages": advantages,
-        "prev_logprobs": torch.full((num_samples, seq_length), -3.0),
-    }
+    return synthetic_rl_batch(response_lengths, VOCAB_SIZE, prompt_length, seq_length, sample_mask, seed)
 
 
 def gradients(policy) -> dict[str, torch.Tensor]:

@@ -1,0 +1,199 @@
+"""The MTP compat shims, against whichever megatron-core release is installed (the release matrix
+runs this file under 0.16.1, 0.17.1, 0.18.2 and 0.19.2)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import torch
+from megatron.core.models.gpt import gpt_model
+from megatron.core.transformer import multi_token_prediction as mtp_module
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper, MultiTokenPredictionLayer
+
+from nemo_rl_mtp.models.megatron import compat
+from nemo_rl_mtp.models.megatron.compat import grad_scale, recompute
+from nemo_rl_mtp.models.megatron.compat._marks import is_shim
+from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
+from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorker
+from tests.helpers import make_batch, make_policy
+from tests.unit.models.megatron.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+
+def _unshimmed(function):
+    return getattr(function, "original", function)
+
+
+def _upstream_checkpointed_forward_parameters() -> set[str]:
+    return set(inspect.signature(_unshimmed(MultiTokenPredictionLayer._checkpointed_forward)).parameters)
+
+
+UPSTREAM_DERIVES_RL_LABELS = "input_ids" in inspect.signature(
+    _unshimmed(getattr(mtp_module, "process_mtp_loss", lambda: None))
+).parameters
+UPSTREAM_LACKS_PADDING_MASK = (
+    "forward_func" not in _upstream_checkpointed_forward_parameters()
+    and "padding_mask" not in _upstream_checkpointed_forward_parameters()
+)
+
+# What each release needs, from the measured release matrix (independent of the shims' probes).
+SHIMS_NEEDED = {
+    "0.16": {"metrics_tracker", "rl_labels", "grad_scale", "recompute"},
+    "0.17": {"metrics_tracker", "rl_labels", "grad_scale", "recompute"},
+    "0.18": {"metrics_tracker", "rl_labels", "grad_scale", "recompute"},
+    "0.19": set(),
+}
+
+
+def _release() -> str:
+    return ".".join(compat.megatron_core_version().split(".")[:2])
+
+
+@pytest.mark.skipif(_release() not in SHIMS_NEEDED, reason="a release outside the measured matrix")
+def test_shims_match_what_the_release_needs_and_log_it(caplog):
+    with caplog.at_level(logging.INFO, logger=compat.__name__):
+        outcomes = {outcome.name: outcome for outcome in compat.apply_mtp_compat_shims()}
+    needed = SHIMS_NEEDED[_release()]
+    assert {name for name, outcome in outcomes.items() if outcome.status == "applied"} == needed
+    assert f"megatron-core {compat.megatron_core_version()}: {len(needed)} of 4 MTP compat shims applied" in caplog.text
+    for name, outcome in outcomes.items():
+        assert name in caplog.text and outcome.detail in caplog.text
+        if outcome.status == "skipped":
+            assert "upstream" in outcome.detail
+
+
+def test_shims_are_idempotent():
+    compat.apply_mtp_compat_shims()
+    patched = (
+        MultiTokenPredictionLayer._checkpointed_forward,
+        gpt_model.GPTModel._postprocess,
+        grad_scale.schedules.forward_step_calc_loss,
+        MTPLossLoggingHelper.save_metrics_to_tracker,
+    )
+    outcomes = compat.apply_mtp_compat_shims()
+    assert patched == (
+        MultiTokenPredictionLayer._checkpointed_forward,
+        gpt_model.GPTModel._postprocess,
+        grad_scale.schedules.forward_step_calc_loss,
+        MTPLossLoggingHelper.save_metrics_to_tracker,
+    )
+    for outcome in outcomes:
+        if outcome.status == "applied":
+            assert outcome.detail == "already installed (idempotent)"
+    # Never a shim wrapping a shim.
+    for function in patched:
+        assert not is_shim(getattr(function, "original", None))
+
+
+@pytest.mark.skipif(UPSTREAM_LACKS_PADDING_MASK, reason="checks releases whose _checkpointed_forward is fine")
+def test_padding_mask_shim_is_not_installed_where_declared():
+    if "forward_func" in _upstream_checkpointed_forward_parameters():
+        pytest.skip("0.14-0.17 signature: handled by the positional-tensor shim")
+    assert "padding_mask" in inspect.signature(MultiTokenPredictionLayer._checkpointed_forward).parameters
+    assert not is_shim(MultiTokenPredictionLayer._checkpointed_forward)
+
+
+@pytest.mark.skipif(not UPSTREAM_LACKS_PADDING_MASK, reason="0.18.x only")
+def test_upstream_0_18_checkpointed_forward_rejects_padding_mask():
+    """The bug itself, on the real release: forward passes padding_mask, the method refuses it."""
+    compat.apply_mtp_compat_shims()
+    upstream = MultiTokenPredictionLayer._checkpointed_forward.original
+    with pytest.raises(TypeError, match="padding_mask"):
+        upstream(object(), hidden_states=None, decoder_input=None, padding_mask=None)
+
+
+@pytest.mark.skipif(not UPSTREAM_LACKS_PADDING_MASK, reason="0.18.x only")
+def test_padding_mask_shim_is_installed_on_the_0_18_release():
+    compat.apply_mtp_compat_shims()
+    method = MultiTokenPredictionLayer._checkpointed_forward
+    assert is_shim(method)
+    assert "padding_mask" in inspect.signature(method).parameters
+
+
+def test_padding_mask_shim_forwards_everything_else_unchanged():
+    calls = []
+
+    def upstream(self, hidden_states, decoder_input, attention_mask=None, packed_seq_params=None):
+        calls.append((self, hidden_states, decoder_input, attention_mask, packed_seq_params))
+        return "out"
+
+    shimmed = recompute.accept_padding_mask(upstream)
+    layer, hidden, decoder_input, mask, params = object(), torch.ones(2), torch.zeros(2), torch.ones(1), object()
+    assert shimmed(layer, hidden, decoder_input, attention_mask=mask, padding_mask=None, packed_seq_params=params) == "out"
+    assert calls == [(layer, hidden, decoder_input, mask, params)]
+    with pytest.raises(NotImplementedError, match="padding"):
+        shimmed(layer, hidden, decoder_input, padding_mask=torch.zeros(2, 3))
+
+
+def test_positional_tensor_shim_keeps_non_tensors_out_of_the_checkpoint():
+    seen = {}
+
+    def upstream(self, forward_func, *args):
+        seen["checkpointed"] = args  # what the checkpoint would save_for_backward
+        return forward_func(*args)
+
+    def layer_forward(hidden_states, decoder_input=None, packed_seq_params=None, attention_mask=None):
+        return hidden_states, decoder_input, packed_seq_params, attention_mask
+
+    shimmed = recompute.positional_tensor_arguments(upstream)
+    hidden, params = torch.ones(3), object()
+    result = shimmed(object(), layer_forward, hidden, decoder_input=None, packed_seq_params=params, attention_mask=torch.zeros(1))
+    assert all(value is None or torch.is_tensor(value) for value in seen["checkpointed"])
+    assert result[0] is hidden and result[1] is None and result[2] is params and torch.equal(result[3], torch.zeros(1))
+
+
+@pytest.mark.skipif(UPSTREAM_DERIVES_RL_LABELS, reason="the release derives RL labels itself")
+def test_without_the_rl_labels_shim_mtp_silently_does_not_train(monkeypatch):
+    """Reproduce the silent failure on the real release (shim taken out): no loss, no gradient.
+    0.16 crashes instead."""
+    policy, cfg = make_policy(megatron_cfg__mtp_num_layers=2, train_micro_batch_size=2, train_global_batch_size=8)
+    monkeypatch.setattr(gpt_model.GPTModel, "_postprocess", gpt_model.GPTModel._postprocess.original)
+    if is_shim(getattr(gpt_model, "process_mtp_loss", None)):
+        monkeypatch.setattr(gpt_model, "process_mtp_loss", gpt_model.process_mtp_loss.original)
+    MTPLossLoggingHelper.tracker.clear()
+    if not hasattr(mtp_module, "process_mtp_loss"):  # inline loss: labels.clone() on None
+        with pytest.raises(AttributeError, match="clone"):
+            forward_backward_global_batch(policy, make_batch(RAGGED_RESPONSES), PG_LOSS, cfg)
+        return
+    metrics, _ = forward_backward_global_batch(policy, make_batch(RAGGED_RESPONSES), PG_LOSS, cfg)
+    assert metrics["mtp/grad_norm"] == 0.0
+    assert "loss_values" not in MTPLossLoggingHelper.tracker
+    with pytest.raises(RuntimeError, match=f"no MTP loss .* on megatron-core {compat.megatron_core_version()}"):
+        compat.assert_mtp_trained(policy.config, {}, metrics["mtp/grad_norm"], metrics["global_valid_tokens"])
+
+
+def test_guard_fails_loudly_naming_the_release():
+    config = type("Config", (), {"mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.1})()
+    version = compat.megatron_core_version()
+    with pytest.raises(RuntimeError, match=f"no MTP loss.*megatron-core {version}"):
+        compat.assert_mtp_trained(config, {}, mtp_grad_norm=1.0, global_valid_tokens=10)
+    with pytest.raises(RuntimeError, match=f"no gradient.*megatron-core {version}"):
+        compat.assert_mtp_trained(config, {"mtp_1_loss": 1.0}, mtp_grad_norm=0.0, global_valid_tokens=10)
+    compat.assert_mtp_trained(config, {"mtp_1_loss": 1.0}, mtp_grad_norm=0.0, global_valid_tokens=0)  # all masked
+    config.mtp_loss_scaling_factor = 0.0
+    compat.assert_mtp_trained(config, {"mtp_1_loss": 1.0}, mtp_grad_norm=0.0, global_valid_tokens=10)
+
+
+def test_worker_step_passes_the_guard_with_the_shims():
+    """The worker's train step (with the guard) on this release: MTP trains, metrics present."""
+    worker = MegatronPolicyWorker.__new__(MegatronPolicyWorker)
+    worker.policy, worker.policy_cfg = make_policy(
+        megatron_cfg__mtp_num_layers=2, train_micro_batch_size=2, train_global_batch_size=8
+    )
+    metrics = worker.train(make_batch(RAGGED_RESPONSES), PG_LOSS)
+    assert metrics["mtp/grad_norm"] > 0
+    assert {"mtp/mtp_1_loss", "mtp/mtp_2_loss", "mtp/mtp_1_acceptance_rate", "mtp/mtp_2_acceptance_rate"} <= set(metrics)
+
+
+def test_mtp_backward_is_seeded_with_one_over_global_tokens():
+    """config.mtp_grad_scale_func reaches MTPLossAutoScaler on every release (natively on 0.19,
+    through the grad_scale shim before): the seed left after a step is 1 / G."""
+    policy, cfg = make_policy(megatron_cfg__mtp_num_layers=1, train_micro_batch_size=2, train_global_batch_size=8)
+    batch = make_batch(RAGGED_RESPONSES)
+    metrics, _ = forward_backward_global_batch(policy, batch, PG_LOSS, cfg)
+    seed = float(mtp_module.MTPLossAutoScaler.main_loss_backward_scale)
+    assert seed == pytest.approx(1.0 / metrics["global_valid_tokens"], rel=1e-6)
+    MTPLossLoggingHelper.tracker.clear()
