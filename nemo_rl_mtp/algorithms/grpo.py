@@ -52,10 +52,37 @@ def run_directory(logger_cfg) -> Path:
     return Path(logger_cfg.log_dir) / name
 
 
+def preflight_checks(cfg) -> None:
+    """What the config needs from this machine, checked before any worker starts."""
+    import importlib.util
+
+    cluster = cfg.cluster
+    if cluster.gpus_per_worker and cluster.address is None:
+        import torch
+
+        needed = cluster.num_nodes * cluster.workers_per_node * cluster.gpus_per_worker
+        if torch.cuda.device_count() < needed:
+            raise RuntimeError(
+                f"cluster.gpus_per_worker={cluster.gpus_per_worker}: this is a GPU recipe for {needed} GPU(s), "
+                f"and this machine has {torch.cuda.device_count()}; run it on a GPU node, or join a GPU "
+                "cluster with cluster.address"
+            )
+    if cfg.policy.megatron_cfg.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        raise RuntimeError(
+            "policy.megatron_cfg.transformer_impl=transformer_engine, but transformer_engine is not installed "
+            "(it needs CUDA); install it on the GPU nodes or use transformer_impl=auto"
+        )
+    if cfg.policy.megatron_cfg.mtp_num_layers:
+        from nemo_rl_mtp.models.megatron.compat import check_mtp_features_supported
+
+        check_mtp_features_supported(cfg.policy.megatron_cfg)
+
+
 def grpo_train(cfg) -> list[dict[str, float]]:
     """Run GRPO as configured; returns the logged metrics of every step."""
     from nemo_rl_mtp.models.policy.lm_policy import Policy
 
+    preflight_checks(cfg)
     tokenizer = DigitTokenizer()
     env = DigitTaskEnvironment(cfg.env, tokenizer)
     loss_fn = ClippedPGLossFn(

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 from pathlib import Path
-from typing import Optional
 
 from omegaconf import OmegaConf
 
@@ -47,6 +45,7 @@ class Logger:
                 dir=str(run_dir),
                 mode=mode,
                 config=OmegaConf.to_container(run_config, resolve=True),
+                settings=wandb.Settings(quiet=True),
             )
             logger.info("wandb run %s (%s) in %s", run_dir.name, mode, run_dir / "wandb")
         self.progress = None
@@ -107,6 +106,3 @@ def read_metrics(path: Path) -> list[dict]:
     with open(path) as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
-
-def finite(value: Optional[float]) -> bool:
-    return value is not None and math.isfinite(value)

@@ -222,6 +222,9 @@ def setup_megatron_policy(policy_cfg, vocab_size: int) -> MegatronPolicyModel:
     config = build_transformer_config(megatron_cfg)
     if mtp_enabled(config):
         compat.apply_mtp_compat_shims()
+    # Weights initialised on the CPU draw from torch's default generator: seed it, so every
+    # data-parallel replica (and every rerun) starts from the same weights.
+    torch.manual_seed(megatron_cfg.seed)
     model, transformer_impl = build_model(megatron_cfg, config, vocab_size, policy_cfg.max_total_sequence_length)
     if mtp_enabled(config):
         compat.log_shim_coverage(model.module)

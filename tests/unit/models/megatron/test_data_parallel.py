@@ -27,14 +27,23 @@ def _data_parallel_rank(rank: int, world_size: int, init_method: str, weights_pa
     from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel
     from tests.helpers import tiny_config
 
+    from megatron.core.utils import check_param_hashes_across_dp_replicas
+
+    from nemo_rl_mtp.models.megatron import cpu_runtime
+    from nemo_rl_mtp.models.megatron.setup import setup_megatron_policy
+    from tests.helpers import VOCAB_SIZE
+
     initialize_model_parallel(tiny_config().policy.megatron_cfg, rank, world_size, init_method)
-    policy, cfg = make_policy(**POLICY)
+    cfg = tiny_config(**POLICY).policy
+    policy = setup_megatron_policy(cfg, VOCAB_SIZE)
+    with cpu_runtime.device_scope():
+        identical_init = check_param_hashes_across_dp_replicas([policy.model.module], cross_check=True)
     policy.model.module.load_state_dict(torch.load(weights_path))
     batch = make_batch(RAGGED_RESPONSES, sample_mask=SAMPLE_MASK)
     share = slice(rank * 4, (rank + 1) * 4)
     metrics, grads = _step(policy, cfg, {key: value[share] for key, value in batch.items()})
     if rank == 0:
-        torch.save({"metrics": metrics, "grads": grads}, result_path)
+        torch.save({"metrics": metrics, "grads": grads, "identical_init": identical_init}, result_path)
 
 
 @pytest.mark.usefixtures("megatron_world")
@@ -52,6 +61,7 @@ def test_data_parallel_two_matches_one(tmp_path):
         start_method="spawn",
     )
     result = torch.load(result_path)
+    assert result["identical_init"], "data-parallel replicas were initialised differently"
     assert result["metrics"].keys() == metrics_one.keys()
     for key, value in metrics_one.items():
         assert result["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

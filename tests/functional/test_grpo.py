@@ -1,0 +1,129 @@
+"""GRPO end to end through ``examples/run_grpo.py``: real Ray workers, real megatron-core on CPU,
+real JSONL / TensorBoard / offline wandb files."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from nemo_rl_mtp.utils.logger import read_metrics
+from nemo_rl_mtp.utils.plot import plot_run
+from tests.wandb_offline import offline_history
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("run_grpo", REPO_ROOT / "examples" / "run_grpo.py")
+run_grpo = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_grpo)
+
+# A smaller step than the default recipe, to keep CI short: 8 prompts x 4 samples.
+SMALL = [
+    "grpo.num_prompts_per_step=8",
+    "grpo.num_generations_per_prompt=4",
+    "policy.train_global_batch_size=32",
+    "policy.train_micro_batch_size=8",
+    "logger.console=false",
+]
+STEPS = 3
+# Wall-clock dependent: not expected to agree between runs.
+TIMING_KEYS = ("timing/", "train/tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run each configuration once; tests inspect the results."""
+    log_dir = tmp_path_factory.mktemp("logs")
+    configs = {
+        "mtp1": [],
+        "mtp2": ["policy.megatron_cfg.mtp_num_layers=2", "logger.wandb_enabled=false"],
+        "mtp_off": ["policy.megatron_cfg.mtp_num_layers=0", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false"],
+        "mtp1_dp2": ["cluster.workers_per_node=2", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false"],
+    }
+    results = {}
+    for name, overrides in configs.items():
+        argv = [*SMALL, f"grpo.max_num_steps={STEPS}", f"logger.log_dir={log_dir}", f"logger.run_name={name}", *overrides]
+        assert run_grpo.main(argv) == 0, name
+        results[name] = log_dir / name
+    yield results
+    import ray
+
+    ray.shutdown()
+
+
+def _mtp_keys(row: dict) -> set[str]:
+    return {key for key in row if key.startswith("train/mtp/")}
+
+
+@pytest.mark.parametrize("name, layers", [("mtp1", 1), ("mtp2", 2)])
+def test_mtp_metrics_logged_every_step(runs, name, layers):
+    rows = read_metrics(runs[name] / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(STEPS))
+    expected = {"train/mtp/grad_norm"}
+    for layer in range(1, layers + 1):
+        expected |= {f"train/mtp/mtp_{layer}_loss", f"train/mtp/mtp_{layer}_acceptance_rate"}
+    for row in rows:
+        assert _mtp_keys(row) == expected
+        assert all(math.isfinite(row[key]) for key in row)
+        assert row["train/mtp/grad_norm"] > 0 and row["train/mtp/mtp_1_loss"] > 0
+        for key in ("train/reward", "train/loss", "train/clip_fraction", "train/tokens_per_s", "timing/step_s"):
+            assert key in row
+        # Generation and training agree on every sampled token's logprob.
+        assert row["train/generation_logprob_error"] < 1e-4
+
+
+def test_mtp_off_logs_no_mtp_metrics(runs):
+    rows = read_metrics(runs["mtp_off"] / "metrics.jsonl")
+    assert len(rows) == STEPS
+    assert all(not _mtp_keys(row) for row in rows)
+    assert all(math.isfinite(row["train/reward"]) for row in rows)
+
+
+def test_wandb_offline_run_holds_the_mtp_series(runs):
+    run_files = list((runs["mtp1"] / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1
+    history = offline_history(run_files[0])
+    jsonl = read_metrics(runs["mtp1"] / "metrics.jsonl")
+    for key in ("train/mtp/mtp_1_loss", "train/mtp/mtp_1_acceptance_rate", "train/mtp/grad_norm", "train/reward"):
+        series = [row[key] for row in history if key in row]
+        assert len(series) == STEPS, key
+        assert series == pytest.approx([row[key] for row in jsonl]), key
+
+
+def test_tensorboard_events_written(runs):
+    assert list((runs["mtp1"] / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_data_parallel_two_gives_the_same_metrics_as_one(runs):
+    one = read_metrics(runs["mtp1"] / "metrics.jsonl")
+    two = read_metrics(runs["mtp1_dp2"] / "metrics.jsonl")
+    assert len(one) == len(two) == STEPS
+    for step_one, step_two in zip(one, two):
+        assert step_one.keys() == step_two.keys()
+        for key, value in step_one.items():
+            if not key.startswith(TIMING_KEYS):
+                assert step_two[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step_one["step"], key)
+
+
+def test_plot_of_a_run(runs, tmp_path):
+    output = plot_run(runs["mtp2"] / "metrics.jsonl", tmp_path / "run.png")
+    import matplotlib.image
+
+    image = matplotlib.image.imread(output)
+    assert image.shape[0] > 200 and image.shape[1] > 600
+
+
+def test_bad_config_is_rejected_before_any_worker(capsys):
+    assert run_grpo.main(["policy.megatron_cfg.mtp_num_layerz=2"]) == 2
+    assert "mtp_num_layerz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", ["grpo_mtp_deepseek_v3_style_gpu.yaml", "grpo_mtp_nemotron3_super_style_gpu.yaml"])
+def test_gpu_recipes_load_and_are_refused_without_gpus(recipe, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    assert run_grpo.main(["--config", str(REPO_ROOT / "examples" / "configs" / recipe)]) == 2
+    assert "GPU recipe" in capsys.readouterr().err
