@@ -140,6 +140,22 @@ def build_microbatches(
     return microbatches
 
 
+def microbatches_for_this_rank(batch: dict[str, torch.Tensor], policy_cfg, device: torch.device) -> list[Microbatch]:
+    """This rank's microbatches (its context-parallel share when CP > 1), moved to ``device`` in
+    one go before the microbatch loop starts."""
+    from megatron.core import parallel_state
+
+    microbatches = build_microbatches(
+        batch,
+        micro_batch_size=policy_cfg.train_micro_batch_size,
+        pack_sequences=policy_cfg.sequence_packing.enabled,
+        megatron_cfg=policy_cfg.megatron_cfg,
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        cp_size=parallel_state.get_context_parallel_world_size(),
+    )
+    return [microbatch.to(device) for microbatch in microbatches]
+
+
 def _rows_for_model(batch: dict[str, torch.Tensor], seq_length: int) -> dict[str, torch.Tensor]:
     """Per-token tensors trimmed (or zero-padded) to ``seq_length``; the policy-loss inputs moved
     to the position that predicts their token."""

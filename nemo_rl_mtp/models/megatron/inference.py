@@ -12,7 +12,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from nemo_rl_mtp.models.megatron import cpu_runtime
 from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage
-from nemo_rl_mtp.models.megatron.data import Microbatch, build_microbatches, causal_attention_mask
+from nemo_rl_mtp.models.megatron.data import Microbatch, causal_attention_mask, microbatches_for_this_rank
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
 from nemo_rl_mtp.models.megatron.train import token_logprobs
 
@@ -72,19 +72,8 @@ def last_token_logits(model, input_ids: torch.Tensor, lengths: torch.Tensor) -> 
 def compute_logprobs(policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], policy_cfg) -> torch.Tensor:
     """Token-aligned logprobs ``[B, S]`` of the batch's tokens under the current weights and the
     sampling temperature: entry t is log p(token t | tokens before t); entry 0 is 0."""
-    device = cpu_runtime.compute_device()
     cp_size = parallel_state.get_context_parallel_world_size()
-    microbatches = [
-        microbatch.to(device)
-        for microbatch in build_microbatches(
-            batch,
-            micro_batch_size=policy_cfg.train_micro_batch_size,
-            pack_sequences=policy_cfg.sequence_packing.enabled,
-            megatron_cfg=policy_cfg.megatron_cfg,
-            cp_rank=parallel_state.get_context_parallel_rank(),
-            cp_size=cp_size,
-        )
-    ]
+    microbatches = microbatches_for_this_rank(batch, policy_cfg, cpu_runtime.compute_device())
 
     def keep_logprobs(microbatch, logits):
         target_ids = microbatch.loss_inputs["target_ids"]

@@ -37,9 +37,9 @@ from nemo_rl_mtp.models.megatron import cpu_runtime
 from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage
 from nemo_rl_mtp.models.megatron.data import (
     Microbatch,
-    build_microbatches,
     compute_mtp_loss_mask,
     local_valid_tokens,
+    microbatches_for_this_rank,
 )
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel, mtp_enabled
 
@@ -68,17 +68,7 @@ def forward_backward_global_batch(
         batch = {**batch, "mtp_loss_mask": compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"])}
     device = cpu_runtime.compute_device()
     global_tokens = count_global_valid_tokens(batch, device)
-    microbatches = [
-        microbatch.to(device)
-        for microbatch in build_microbatches(
-            batch,
-            micro_batch_size=policy_cfg.train_micro_batch_size,
-            pack_sequences=policy_cfg.sequence_packing.enabled,
-            megatron_cfg=policy_cfg.megatron_cfg,
-            cp_rank=parallel_state.get_context_parallel_rank(),
-            cp_size=parallel_state.get_context_parallel_world_size(),
-        )
-    ]
+    microbatches = microbatches_for_this_rank(batch, policy_cfg, device)
     model.zero_grad_buffer()
     policy.optimizer.zero_grad()
     with cpu_runtime.device_scope(), mtp_grad_scale(config, global_tokens):

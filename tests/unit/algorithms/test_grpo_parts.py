@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_rl_mtp.algorithms.grpo import build_train_batch, group_advantages
+from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
+
+
+def test_group_advantages_are_centred_and_scaled_per_group():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.2, 0.2, 0.2])
+    normalised = group_advantages(rewards, group_size=4, normalize=True).view(2, 4)
+    assert torch.allclose(normalised.mean(dim=1), torch.zeros(2), atol=1e-6)
+    assert normalised[0].std() == pytest.approx(1.0, rel=1e-4)
+    assert torch.equal(normalised[1], torch.zeros(4))  # no signal in a constant group
+    centred = group_advantages(rewards, group_size=4, normalize=False).view(2, 4)
+    assert torch.allclose(centred[0], torch.tensor([0.5, -0.5, 0.0, 0.0]))
+
+
+def test_train_batch_trains_response_tokens_including_end_of_sequence():
+    generation = {
+        "tokens": torch.tensor([[1, 5, 3, 7, 2, 0], [1, 6, 3, 9, 9, 2]]),
+        "lengths": torch.tensor([5, 6]),
+        "prompt_lengths": torch.tensor([3, 3]),
+    }
+    batch = build_train_batch(generation, torch.tensor([0.5, -0.5]))
+    assert batch["token_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    assert batch["advantages"][0].unique().tolist() == [0.5]
+    assert torch.equal(batch["sample_mask"], torch.ones(2))
+
+
+def test_clipped_pg_loss_is_normalised_by_the_global_token_count():
+    loss_fn = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.0)
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0]])
+    inputs = {
+        "loss_mask": torch.tensor([[1.0, 1.0, 0.0]]),
+        "advantages": torch.tensor([[1.0, 1.0, 1.0]]),
+        "prev_logprobs": logprobs.clone(),
+    }
+    loss, metrics = loss_fn(logprobs, inputs, torch.tensor(4.0))
+    # ratio 1: loss = -sum(advantage * mask) / G
+    assert loss.item() == pytest.approx(-2.0 / 4.0)
+    assert metrics["clip_fraction"].item() == 0.0
+
+
+def test_clipping_and_kl_penalty():
+    loss_fn = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.5)
+    logprobs = torch.log(torch.tensor([[2.0]]))  # ratio 2 against prev 0
+    inputs = {
+        "loss_mask": torch.ones(1, 1),
+        "advantages": torch.ones(1, 1),
+        "prev_logprobs": torch.zeros(1, 1),
+        "reference_logprobs": torch.zeros(1, 1),
+    }
+    loss, metrics = loss_fn(logprobs, inputs, torch.tensor(1.0))
+    log_ratio = -logprobs.item()
+    kl = torch.exp(torch.tensor(log_ratio)) - log_ratio - 1
+    assert loss.item() == pytest.approx(-1.2 + 0.5 * kl.item(), rel=1e-5)
+    assert metrics["clip_fraction"].item() == 1.0
+    assert metrics["kl"].item() == pytest.approx(kl.item(), rel=1e-5)
