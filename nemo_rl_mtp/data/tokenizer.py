@@ -17,15 +17,11 @@ class DigitTokenizer:
     def encode_answer(self, digits: list[int]) -> list[int]:
         return [*(self.first_digit_id + digit for digit in digits), self.eos_id]
 
-    def response_digits(self, token_ids: list[int]) -> list[int]:
-        """The response up to its end-of-sequence token; non-digit tokens read as -1 (never right)."""
-        digits = []
-        for token in token_ids:
-            if token == self.eos_id:
-                break
-            digit = token - self.first_digit_id
-            digits.append(digit if 0 <= digit <= 9 else -1)
-        return digits
+    def response_tokens(self, token_ids: list[int]) -> list[int]:
+        """The response up to and including its first end-of-sequence token."""
+        if self.eos_id in token_ids:
+            return token_ids[: token_ids.index(self.eos_id) + 1]
+        return list(token_ids)
 
     def render(self, token_ids: list[int]) -> str:
         names = {self.pad_id: "_", self.bos_id: "", self.eos_id: "</s>", self.sep_id: "="}

@@ -18,7 +18,9 @@ def expected_answer(task: str, digits: list[int]) -> list[int]:
 
 
 def answer_reward(expected: list[int], response: list[int]) -> float:
-    """Fraction of answer positions right; extra or missing digits count as wrong. 1.0 iff exact."""
+    """Fraction of positions right, comparing token sequences that end with the end-of-sequence
+    token (so stopping at the right place earns credit too); extra or missing tokens count as
+    wrong. 1.0 iff exact."""
     matches = sum(r == e for r, e in zip(response, expected))
     return matches / max(len(expected), len(response), 1)
 
@@ -38,6 +40,9 @@ class DigitTaskEnvironment:
     def rewards(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
         """Reward of each response (token ids after the prompt) to the prompt with the same index."""
         return [
-            answer_reward(expected_answer(self.task, digits), self.tokenizer.response_digits(response))
+            answer_reward(
+                self.tokenizer.encode_answer(expected_answer(self.task, digits)),
+                self.tokenizer.response_tokens(response),
+            )
             for digits, response in zip(prompts, responses)
         ]

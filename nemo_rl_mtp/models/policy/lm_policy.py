@@ -34,9 +34,9 @@ class Policy:
         self.dp_size = self.ranks[0]["dp_size"]
         # Per data-parallel rank, the worker whose results are read (all its peers hold the same).
         last_stage = self.ranks[0]["pp_size"] - 1
-        self.readers = {
-            info["dp_rank"]: worker
-            for worker, info in zip(self.workers, self.ranks)
+        self.reader_of_dp_rank = {
+            info["dp_rank"]: index
+            for index, info in enumerate(self.ranks)
             if info["tp_rank"] == 0 and info["cp_rank"] == 0 and info["pp_rank"] == last_stage
         }
         logger.info("policy: %d workers, data-parallel size %d", size, self.dp_size)
@@ -50,18 +50,15 @@ class Policy:
         return [items[rank * size : (rank + 1) * size] for rank in range(self.dp_size)]
 
     def _run_sharded(self, method: str, data, *args):
-        """Call ``method`` on every worker with its data-parallel shard; results by dp rank."""
+        """Call ``method`` on every worker (they meet in collectives) with its data-parallel
+        shard; returns one result per data-parallel rank."""
         shard_refs = [ray.put(shard) for shard in self._shards(data)]
-        futures = {}
-        for worker, info in zip(self.workers, self.ranks):
-            future = getattr(worker, method).remote(shard_refs[info["dp_rank"]], *args)
-            if self.readers[info["dp_rank"]] is worker:
-                futures[info["dp_rank"]] = future
-            else:
-                futures.setdefault(("peer", info["rank"]), future)
-        results = ray.get(list(futures.values()))
-        by_key = dict(zip(futures.keys(), results))
-        return [by_key[rank] for rank in range(self.dp_size)]
+        futures = [
+            getattr(worker, method).remote(shard_refs[info["dp_rank"]], *args)
+            for worker, info in zip(self.workers, self.ranks)
+        ]
+        results = ray.get(futures)
+        return [results[self.reader_of_dp_rank[rank]] for rank in range(self.dp_size)]
 
     def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int) -> dict[str, torch.Tensor]:
         shards = self._run_sharded("generate", prompts, eos_id, pad_id, seed)

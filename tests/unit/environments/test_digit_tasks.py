@@ -19,19 +19,21 @@ def test_expected_answers(task, digits, answer):
 def test_reward_gives_partial_credit_and_penalises_length():
     assert answer_reward([4, 1, 3], [4, 1, 3]) == 1.0
     assert answer_reward([4, 1, 3], [4, 0, 3]) == pytest.approx(2 / 3)
-    assert answer_reward([4, 1, 3], [4, 1, 3, 3]) == pytest.approx(3 / 4)  # an extra digit
-    assert answer_reward([4, 1, 3], [4, 1]) == pytest.approx(2 / 3)  # a missing digit
+    assert answer_reward([4, 1, 3], [4, 1, 3, 3]) == pytest.approx(3 / 4)  # an extra token
+    assert answer_reward([4, 1, 3], [4, 1]) == pytest.approx(2 / 3)  # a missing token
     assert answer_reward([4, 1, 3], []) == 0.0
 
 
-def test_rewards_read_the_response_up_to_end_of_sequence():
+def test_rewards_compare_answers_up_to_end_of_sequence():
     tokenizer = DigitTokenizer()
     env = DigitTaskEnvironment(OmegaConf.create({"task": "reverse", "min_digits": 2, "max_digits": 4}), tokenizer)
-    answer = tokenizer.encode_answer([2, 1])
+    answer = tokenizer.encode_answer([2, 1])  # "2 1 </s>"
     junk_after_eos = answer + [tokenizer.first_digit_id + 5]
-    no_eos = answer[:-1]
+    no_eos = answer[:-1]  # stopping is part of the answer
     bos_inside = [tokenizer.first_digit_id + 2, tokenizer.bos_id, tokenizer.eos_id]
-    assert env.rewards([[1, 2]] * 4, [answer, junk_after_eos, no_eos, bos_inside]) == [1.0, 1.0, 1.0, 0.5]
+    stops_early = [tokenizer.first_digit_id + 2, tokenizer.eos_id]
+    rewards = env.rewards([[1, 2]] * 5, [answer, junk_after_eos, no_eos, bos_inside, stops_early])
+    assert rewards == pytest.approx([1.0, 1.0, 2 / 3, 2 / 3, 1 / 3])
 
 
 def test_prompts_respect_the_digit_range_and_the_seed():
