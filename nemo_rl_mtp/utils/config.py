@@ -79,6 +79,12 @@ def validate_config(cfg: DictConfig) -> None:
         f"must be a multiple of policy.train_micro_batch_size={policy.train_micro_batch_size}",
     )
     _require(
+        megatron.num_attention_heads % megatron.num_query_groups == 0,
+        "policy.megatron_cfg.num_query_groups",
+        megatron.num_query_groups,
+        f"must divide num_attention_heads={megatron.num_attention_heads}",
+    )
+    _require(
         megatron.hidden_size % megatron.num_attention_heads == 0,
         "policy.megatron_cfg.hidden_size",
         megatron.hidden_size,
@@ -105,14 +111,6 @@ def validate_config(cfg: DictConfig) -> None:
             "context parallelism needs transformer_impl=transformer_engine and sequence_packing.enabled=true",
         )
     _validate_grpo(cfg)
-
-
-def data_parallel_size(cfg: DictConfig) -> int:
-    megatron = cfg.policy.megatron_cfg
-    model_parallel = (
-        megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size * megatron.context_parallel_size
-    )
-    return cfg.cluster.num_nodes * cfg.cluster.workers_per_node // model_parallel
 
 
 def _validate_grpo(cfg: DictConfig) -> None:
