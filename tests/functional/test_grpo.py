@@ -40,6 +40,19 @@ def runs(tmp_path_factory):
         "mtp2": ["policy.megatron_cfg.mtp_num_layers=2", "logger.wandb_enabled=false"],
         "mtp_off": ["policy.megatron_cfg.mtp_num_layers=0", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false"],
         "mtp1_dp2": ["cluster.workers_per_node=2", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false"],
+        "mtp1_tp2": [
+            "cluster.workers_per_node=2",
+            "policy.megatron_cfg.tensor_model_parallel_size=2",
+            "logger.wandb_enabled=false",
+            "logger.tensorboard_enabled=false",
+        ],
+        "mtp2_pp2": [
+            "cluster.workers_per_node=2",
+            "policy.megatron_cfg.pipeline_model_parallel_size=2",
+            "policy.megatron_cfg.mtp_num_layers=2",
+            "logger.wandb_enabled=false",
+            "logger.tensorboard_enabled=false",
+        ],
     }
     results = {}
     for name, overrides in configs.items():
@@ -73,6 +86,17 @@ def test_mtp_metrics_logged_every_step(runs, name, layers):
         assert row["train/generation_logprob_error"] < 1e-4
 
 
+def test_pipeline_parallel_two_reports_mtp_metrics_from_the_last_stage(runs):
+    """Under PP the MTP block lives on the last stage; its metrics reach the driver every step.
+    (Initial weights depend on the pipeline layout, so values are not compared with PP1.)"""
+    rows = read_metrics(runs["mtp2_pp2"] / "metrics.jsonl")
+    assert len(rows) == STEPS
+    for row in rows:
+        assert {"train/mtp/mtp_1_loss", "train/mtp/mtp_2_acceptance_rate", "train/mtp/grad_norm"} <= set(row)
+        assert all(math.isfinite(value) for value in row.values())
+        assert row["train/mtp/grad_norm"] > 0 and row["train/generation_logprob_error"] < 1e-4
+
+
 def test_mtp_off_logs_no_mtp_metrics(runs):
     rows = read_metrics(runs["mtp_off"] / "metrics.jsonl")
     assert len(rows) == STEPS
@@ -95,9 +119,11 @@ def test_tensorboard_events_written(runs):
     assert list((runs["mtp1"] / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_data_parallel_two_gives_the_same_metrics_as_one(runs):
+@pytest.mark.parametrize("layout", ["mtp1_dp2", "mtp1_tp2"])
+def test_data_and_tensor_parallel_two_give_the_same_metrics_as_one_worker(runs, layout):
+    """Same global batch, same initial weights (TP splits the same initial matrices)."""
     one = read_metrics(runs["mtp1"] / "metrics.jsonl")
-    two = read_metrics(runs["mtp1_dp2"] / "metrics.jsonl")
+    two = read_metrics(runs[layout] / "metrics.jsonl")
     assert len(one) == len(two) == STEPS
     for step_one, step_two in zip(one, two):
         assert step_one.keys() == step_two.keys()

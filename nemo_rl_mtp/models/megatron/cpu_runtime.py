@@ -7,7 +7,8 @@ megatron-core assumes CUDA in a few places that an MTP training step reaches:
 2. ``CudaRNGStatesTracker.add`` seeds and reads the CUDA generator.
 3. ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` save and restore the CUDA generator around
    ``fork()`` and activation recompute.
-4. ``torch.cuda.current_stream()``: DDP's gradient sync waits on the current stream's events.
+4. ``torch.cuda.current_stream()`` and ``torch.cuda.synchronize()``: DDP's gradient sync waits on
+   the current stream's events; pipeline send/recv synchronizes the device.
 5. ``device="cuda"`` literals (the default causal mask, the schedule's token counter, optimizer
    and grad-clip scalars), ``Tensor.cuda()``, and grad clipping's
    ``assert grad.type() == 'torch.cuda.FloatTensor'``.
@@ -65,13 +66,14 @@ def install() -> bool:
         torch.set_num_threads(1)
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.current_stream = _host_stream
+    torch.cuda.synchronize = _host_synchronize
     megatron_random._get_cuda_rng_state = _get_cpu_rng_state
     megatron_random._set_cuda_rng_state = _set_cpu_rng_state
     megatron_random.CudaRNGStatesTracker.add = _tracker_add_on_cpu_generator
     _INSTALLED = True
     logger.info(
         "cpu_runtime: CUDA unavailable; megatron-core adapted to CPU (%d torch threads): "
-        "torch.cuda.current_device -> cpu, torch.cuda.current_stream -> host (no-op) stream, "
+        "torch.cuda.current_device -> cpu, torch.cuda.current_stream/synchronize -> no-ops, "
         "CudaRNGStatesTracker.add and recompute RNG "
         "save/restore -> CPU generator, device='cuda' literals -> cpu inside device_scope()"
     )
@@ -105,6 +107,10 @@ class _HostStream:
 
 def _host_stream(device=None) -> _HostStream:
     return _HostStream()
+
+
+def _host_synchronize(device=None) -> None:
+    """CPU work is synchronous: nothing to wait for."""
 
 
 def _get_cpu_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False):

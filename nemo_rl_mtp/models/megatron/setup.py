@@ -163,18 +163,19 @@ def build_model(
         mtp_block_spec = get_gpt_mtp_block_spec(
             config, layer_spec, use_transformer_engine=transformer_impl == "transformer_engine"
         )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
-        max_sequence_length=max_sequence_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=megatron_cfg.share_embeddings_and_output_weights,
-        position_embedding_type=megatron_cfg.position_embedding_type,
-        rotary_base=megatron_cfg.rotary_base,
-        mtp_block_spec=mtp_block_spec,
-    )
+    with cpu_runtime.device_scope():  # construction moves tied embeddings with .cuda() under PP
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
+            max_sequence_length=max_sequence_length,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=megatron_cfg.share_embeddings_and_output_weights,
+            position_embedding_type=megatron_cfg.position_embedding_type,
+            rotary_base=megatron_cfg.rotary_base,
+            mtp_block_spec=mtp_block_spec,
+        )
     if cpu_runtime.cuda_available():
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
