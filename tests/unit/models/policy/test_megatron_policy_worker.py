@@ -1,0 +1,32 @@
+"""The policy worker in-process (single rank): reference logprobs for the KL penalty."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
+from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorker
+from tests.helpers import VOCAB_SIZE, free_port, make_batch, tiny_config
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+
+def test_reference_logprobs_stay_those_of_the_initial_weights():
+    cfg = tiny_config(megatron_cfg__mtp_num_layers=1, train_micro_batch_size=4, train_global_batch_size=8)
+    worker = MegatronPolicyWorker(
+        cfg.policy, VOCAB_SIZE, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}", keep_reference_weights=True
+    )
+    batch = make_batch([3, 7, 4, 6, 5, 5, 2, 8])
+    initial = worker.get_logprobs(batch)
+    batch["prev_logprobs"] = initial
+    batch["reference_logprobs"] = initial
+    kl_loss = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.1)
+    for _ in range(3):
+        metrics = worker.train(batch, kl_loss)
+    assert metrics["kl"] > 0
+    trained = worker.get_logprobs(batch)
+    assert not torch.allclose(trained, initial)
+    torch.testing.assert_close(worker.get_reference_logprobs(batch), initial)
+    # The swap back restores the weights being trained.
+    torch.testing.assert_close(worker.get_logprobs(batch), trained)
