@@ -14,7 +14,7 @@ from nemo_rl_mtp.models.megatron import cpu_runtime
 from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage
 from nemo_rl_mtp.models.megatron.data import Microbatch, causal_attention_mask, microbatches_for_this_rank
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
-from nemo_rl_mtp.models.megatron.train import token_logprobs
+from nemo_rl_mtp.models.megatron.train import model_forward, token_logprobs
 
 
 def forward_only(model, microbatches: list[Microbatch], outputs_of_logits) -> list[dict]:
@@ -23,13 +23,7 @@ def forward_only(model, microbatches: list[Microbatch], outputs_of_logits) -> li
 
     def forward_step(data_iterator, model):
         microbatch = next(data_iterator)
-        logits = model(
-            input_ids=microbatch.input_ids,
-            position_ids=microbatch.position_ids,
-            attention_mask=microbatch.attention_mask,
-            packed_seq_params=microbatch.packed_seq_params,
-            labels=None,
-        )
+        logits = model_forward(model, microbatch)
         return logits, lambda output: (torch.zeros((), device=output.device), outputs_of_logits(microbatch, output))
 
     model.eval()

@@ -138,9 +138,16 @@ def forward_step(
     temperature: float,
     vocab_size: int,
 ):
-    """megatron's ``forward_step_func``: MTP mask in as ``loss_mask``, no labels (RL mode)."""
+    """megatron's ``forward_step_func`` for training."""
     microbatch = next(data_iterator)
-    logits = model(
+    logits = model_forward(model, microbatch)
+    return logits, partial(policy_loss, microbatch, loss_fn, global_valid_tokens, temperature, vocab_size)
+
+
+def model_forward(model, microbatch: Microbatch) -> torch.Tensor:
+    """Logits ``[b, s, v/tp]``; the MTP mask goes in as megatron's ``loss_mask`` with no labels
+    (RL mode: megatron derives the MTP labels by rolling ``input_ids``)."""
+    return model(
         input_ids=microbatch.input_ids,
         position_ids=microbatch.position_ids,
         attention_mask=microbatch.attention_mask,
@@ -148,7 +155,6 @@ def forward_step(
         labels=None,
         loss_mask=microbatch.mtp_loss_mask,
     )
-    return logits, partial(policy_loss, microbatch, loss_fn, global_valid_tokens, temperature, vocab_size)
 
 
 def policy_loss(
