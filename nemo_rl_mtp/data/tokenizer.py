@@ -22,7 +22,3 @@ class DigitTokenizer:
         if self.eos_id in token_ids:
             return token_ids[: token_ids.index(self.eos_id) + 1]
         return list(token_ids)
-
-    def render(self, token_ids: list[int]) -> str:
-        names = {self.pad_id: "_", self.bos_id: "", self.eos_id: "</s>", self.sep_id: "="}
-        return "".join(names.get(t, str(t - self.first_digit_id)) for t in token_ids)

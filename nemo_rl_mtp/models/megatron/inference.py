@@ -3,8 +3,6 @@ logprobs of a batch (previous-policy and reference logprobs for the GRPO loss)."
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
