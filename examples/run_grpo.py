@@ -23,15 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.max_num_steps=20")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from nemo_rl_mtp.algorithms.grpo import grpo_train, preflight_checks
+    from nemo_rl_mtp.algorithms.grpo import grpo_train
 
     try:
         cfg = load_config(args.config, args.overrides)
-        preflight_checks(cfg)
-    except (ConfigError, RuntimeError, ValueError) as error:
+        history = grpo_train(cfg)  # checks the config against this machine before any worker
+    except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    history = grpo_train(cfg)
     first, last = history[0], history[-1]
     print(f"reward: {first['train/reward']:.3f} -> {last['train/reward']:.3f} over {len(history)} steps")
     for key in sorted(k for k in last if k.startswith("train/mtp/") and k.endswith("acceptance_rate")):

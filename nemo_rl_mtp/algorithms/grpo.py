@@ -18,6 +18,7 @@ import torch
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
+from nemo_rl_mtp.utils.config import ConfigError
 from nemo_rl_mtp.utils.logger import Logger
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ def run_directory(logger_cfg) -> Path:
 
 
 def preflight_checks(cfg) -> None:
-    """What the config needs from this machine, checked before any worker starts."""
+    """What the config needs from this machine, checked before any worker starts; raises
+    ConfigError."""
     import importlib.util
 
     cluster = cfg.cluster
@@ -62,20 +64,23 @@ def preflight_checks(cfg) -> None:
 
         needed = cluster.num_nodes * cluster.workers_per_node * cluster.gpus_per_worker
         if torch.cuda.device_count() < needed:
-            raise RuntimeError(
+            raise ConfigError(
                 f"cluster.gpus_per_worker={cluster.gpus_per_worker}: this is a GPU recipe for {needed} GPU(s), "
                 f"and this machine has {torch.cuda.device_count()}; run it on a GPU node, or join a GPU "
                 "cluster with cluster.address"
             )
     if cfg.policy.megatron_cfg.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
-        raise RuntimeError(
+        raise ConfigError(
             "policy.megatron_cfg.transformer_impl=transformer_engine, but transformer_engine is not installed "
             "(it needs CUDA); install it on the GPU nodes or use transformer_impl=auto"
         )
     if cfg.policy.megatron_cfg.mtp_num_layers:
         from nemo_rl_mtp.models.megatron.compat import check_mtp_features_supported
 
-        check_mtp_features_supported(cfg.policy.megatron_cfg)
+        try:
+            check_mtp_features_supported(cfg.policy.megatron_cfg)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def grpo_train(cfg) -> list[dict[str, float]]:

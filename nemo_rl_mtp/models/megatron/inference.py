@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from nemo_rl_mtp.models.megatron import cpu_runtime
 from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage
 from nemo_rl_mtp.models.megatron.data import Microbatch, causal_attention_mask, microbatches_for_this_rank
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
-from nemo_rl_mtp.models.megatron.train import model_forward, token_logprobs
+from nemo_rl_mtp.models.megatron.train import model_forward, run_schedule, token_logprobs
 
 
 def forward_only(model, microbatches: list[Microbatch], outputs_of_logits) -> list[dict]:
@@ -27,15 +26,7 @@ def forward_only(model, microbatches: list[Microbatch], outputs_of_logits) -> li
     model.eval()
     try:
         with torch.no_grad(), cpu_runtime.device_scope():
-            return get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(microbatches),
-                model=[model],
-                num_microbatches=len(microbatches),
-                seq_length=microbatches[0].input_ids.shape[1],
-                micro_batch_size=microbatches[0].input_ids.shape[0],
-                forward_only=True,
-            )
+            return run_schedule(model, microbatches, forward_step, forward_only=True)
     finally:
         model.train()
 

@@ -72,19 +72,16 @@ def forward_backward_global_batch(
     model.zero_grad_buffer()
     policy.optimizer.zero_grad()
     with cpu_runtime.device_scope(), mtp_grad_scale(config, global_tokens):
-        microbatch_metrics = get_forward_backward_func()(
-            forward_step_func=partial(
+        microbatch_metrics = run_schedule(
+            model,
+            microbatches,
+            partial(
                 forward_step,
                 loss_fn=loss_fn,
                 global_valid_tokens=global_tokens,
                 temperature=policy_cfg.generation.temperature,
                 vocab_size=policy.vocab_size,
             ),
-            data_iterator=iter(microbatches),
-            model=[model],
-            num_microbatches=len(microbatches),
-            seq_length=microbatches[0].input_ids.shape[1],
-            micro_batch_size=microbatches[0].input_ids.shape[0],
             forward_only=False,
         )
     metrics = sum_over_global_batch(microbatch_metrics, device)
@@ -92,6 +89,19 @@ def forward_backward_global_batch(
     if mtp_enabled(config):
         metrics["mtp/grad_norm"] = mtp_gradient_norm(model)
     return metrics, len(microbatches)
+
+
+def run_schedule(model, microbatches: list[Microbatch], forward_step_func, forward_only: bool) -> list:
+    """megatron's forward(-backward) schedule over the microbatches (pipelined when PP > 1)."""
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=microbatches[0].input_ids.shape[1],
+        micro_batch_size=microbatches[0].input_ids.shape[0],
+        forward_only=forward_only,
+    )
 
 
 def optimizer_step(policy: MegatronPolicyModel) -> dict[str, float]:
