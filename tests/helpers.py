@@ -62,3 +62,37 @@ def gradients(policy) -> dict[str, torch.Tensor]:
 
 def mtp_parameter_names(policy) -> list[str]:
     return [name for name, _ in policy.model.module.named_parameters() if name.startswith("mtp.")]
+
+
+def response_mask(rollouts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, S] True on the response tokens of rollouts (after the prompt, before the end)."""
+    positions = torch.arange(rollouts["tokens"].shape[1])[None, :]
+    return (positions >= rollouts["prompt_lengths"][:, None]) & (positions < rollouts["lengths"][:, None])
+
+
+def greedy_reference(policy, prompts: list[list[int]], max_new_tokens: int, eos_id: int) -> list[list[int]]:
+    """Greedy decoding the slow, obvious way, as an oracle for the engine: for every new token, a
+    full forward of the whole sequence (no KV cache, no speculation), argmax over the real vocabulary."""
+    from nemo_rl_mtp.models.megatron import cpu_runtime
+    from nemo_rl_mtp.models.megatron.data import causal_attention_mask
+
+    model = policy.model.module
+    model.eval()
+    sequences = []
+    try:
+        with torch.no_grad(), cpu_runtime.device_scope():
+            for prompt in prompts:
+                tokens = list(prompt)
+                for _ in range(max_new_tokens):
+                    logits = model(
+                        input_ids=torch.tensor([tokens]),
+                        position_ids=torch.arange(len(tokens))[None, :],
+                        attention_mask=causal_attention_mask(len(tokens)),
+                    )
+                    tokens.append(int(logits[0, -1, : policy.vocab_size].argmax()))
+                    if tokens[-1] == eos_id:
+                        break
+                sequences.append(tokens)
+    finally:
+        model.train()
+    return sequences

@@ -18,6 +18,7 @@ import torch
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
+from nemo_rl_mtp.models.generation.speculation import check_speculation_supported, speculation_metrics
 from nemo_rl_mtp.utils.config import ConfigError
 from nemo_rl_mtp.utils.logger import Logger
 
@@ -74,13 +75,13 @@ def preflight_checks(cfg) -> None:
             "policy.megatron_cfg.transformer_impl=transformer_engine, but transformer_engine is not installed "
             "(it needs CUDA); install it on the GPU nodes or use transformer_impl=auto"
         )
-    if cfg.policy.megatron_cfg.mtp_num_layers:
-        from nemo_rl_mtp.models.megatron.compat import check_mtp_features_supported
+    from nemo_rl_mtp.models.megatron.compat import check_mtp_features_supported
 
-        try:
-            check_mtp_features_supported(cfg.policy.megatron_cfg)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    try:
+        check_mtp_features_supported(cfg.policy.megatron_cfg)
+        check_speculation_supported(cfg.policy.generation, cfg.policy.megatron_cfg)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def grpo_train(cfg) -> list[dict[str, float]]:
@@ -151,7 +152,8 @@ def grpo_step(cfg, step, policy, env, tokenizer, loss_fn, prompt_generator) -> d
         "train/reward": rewards.mean().item(),
         "train/accuracy": (rewards == 1.0).float().mean().item(),
         "train/response_length": (response_tokens / len(prompts)).item(),
-        "train/tokens_per_s": (response_tokens / timings["generation_s"]).item(),
+        "rollout/tokens_per_s": (response_tokens / timings["generation_s"]).item(),
+        "rollout/decode_steps": float(generation["decode_steps"]),
         # Generation and training compute a token's logprob in different passes; they must agree.
         "train/generation_logprob_error": (
             ((generation["logprobs"] - batch["prev_logprobs"]).abs() * batch["token_mask"]).sum() / response_tokens
@@ -159,5 +161,6 @@ def grpo_step(cfg, step, policy, env, tokenizer, loss_fn, prompt_generator) -> d
     }
     for key in train_metrics[0]:
         metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
+    metrics.update(speculation_metrics(generation))
     metrics.update({f"timing/{key}": value for key, value in timings.items()})
     return metrics

@@ -154,6 +154,14 @@ def _validate_grpo(cfg: DictConfig) -> None:
     _require(generation.temperature > 0, "policy.generation.temperature", generation.temperature, "must be > 0")
     _require(0 < generation.top_p <= 1, "policy.generation.top_p", generation.top_p, "must be in (0, 1]")
     _require(generation.max_new_tokens >= 1, "policy.generation.max_new_tokens", generation.max_new_tokens, "must be >= 1")
+    _require(generation.top_k >= 0, "policy.generation.top_k", generation.top_k, "must be >= 0 (0: off)")
+    _require(
+        generation.top_k == 0 or generation.top_p == 1.0,
+        "policy.generation.top_k",
+        generation.top_k,
+        f"cannot be combined with top_p={generation.top_p} (megatron samples with one or the other)",
+    )
+    _validate_speculation(generation, megatron)
     longest_prompt = env.max_digits + 2  # <bos> digits =
     _require(
         longest_prompt + generation.max_new_tokens <= policy.max_total_sequence_length,
@@ -161,6 +169,23 @@ def _validate_grpo(cfg: DictConfig) -> None:
         policy.max_total_sequence_length,
         f"too short for the longest prompt ({longest_prompt} tokens) plus max_new_tokens={generation.max_new_tokens}",
     )
+
+
+def _validate_speculation(generation, megatron) -> None:
+    k = generation.num_speculative_tokens
+    _require(k >= 0, "policy.generation.num_speculative_tokens", k, "must be >= 0 (0: no speculation)")
+    _require(
+        k == 0 or megatron.mtp_num_layers > 0,
+        "policy.generation.num_speculative_tokens",
+        k,
+        "speculation drafts with the MTP heads; set policy.megatron_cfg.mtp_num_layers > 0",
+    )
+    engine = generation.engine
+    _require(engine.block_size_tokens > 0, "policy.generation.engine.block_size_tokens", engine.block_size_tokens, "must be > 0")
+    _require(engine.buffer_size_gb > 0, "policy.generation.engine.buffer_size_gb", engine.buffer_size_gb, "must be > 0")
+    for key in ("max_requests", "max_tokens"):
+        value = engine[key]
+        _require(value is None or value > 0, f"policy.generation.engine.{key}", value, "must be > 0 or null")
 
 
 def _require(condition: bool, key: str, value, reason: str) -> None:

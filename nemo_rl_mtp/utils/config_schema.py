@@ -56,10 +56,21 @@ class SequencePackingConfig:
 
 
 @dataclass
+class InferenceEngineConfig:
+    block_size_tokens: int
+    buffer_size_gb: float
+    max_requests: Optional[int]
+    max_tokens: Optional[int]
+
+
+@dataclass
 class GenerationConfig:
     temperature: float
     top_p: float
+    top_k: int
     max_new_tokens: int
+    num_speculative_tokens: int
+    engine: InferenceEngineConfig
 
 
 @dataclass

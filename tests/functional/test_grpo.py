@@ -28,7 +28,7 @@ SMALL = [
 ]
 STEPS = 3
 # Wall-clock dependent: not expected to agree between runs.
-TIMING_KEYS = ("timing/", "train/tokens_per_s")
+TIMING_KEYS = ("timing/", "rollout/tokens_per_s")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_mtp_metrics_logged_every_step(runs, name, layers):
         assert _mtp_keys(row) == expected
         assert all(math.isfinite(row[key]) for key in row)
         assert row["train/mtp/grad_norm"] > 0 and row["train/mtp/mtp_1_loss"] > 0
-        for key in ("train/reward", "train/loss", "train/clip_fraction", "train/tokens_per_s", "timing/step_s"):
+        for key in ("train/reward", "train/loss", "train/clip_fraction", "rollout/tokens_per_s", "timing/step_s"):
             assert key in row
         # Generation and training agree on every sampled token's logprob.
         assert row["train/generation_logprob_error"] < 1e-4

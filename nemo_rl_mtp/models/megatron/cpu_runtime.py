@@ -10,8 +10,8 @@ megatron-core assumes CUDA in a few places that an MTP training step reaches:
 4. ``torch.cuda.current_stream()`` and ``torch.cuda.synchronize()``: DDP's gradient sync waits on
    the current stream's events; pipeline send/recv synchronizes the device.
 5. ``device="cuda"`` literals (the default causal mask, the schedule's token counter, optimizer
-   and grad-clip scalars), ``Tensor.cuda()``, and grad clipping's
-   ``assert grad.type() == 'torch.cuda.FloatTensor'``.
+   and grad-clip scalars), ``Tensor.cuda()``, grad clipping's
+   ``assert grad.type() == 'torch.cuda.FloatTensor'``, and pinned host buffers (``pin_memory``).
 
 ``install()`` handles 1-4 once per process; 5 is handled by :func:`device_scope`, a context that
 redirects ``device="cuda"`` to the CPU for the megatron calls made inside it (a torch function mode
@@ -148,7 +148,9 @@ class _CudaLiteralsToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
-        if func is torch.Tensor.cuda:
+        # Pinned host memory only speeds up copies to a GPU; without CUDA it cannot be allocated.
+        kwargs.pop("pin_memory", None)
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # The type *name* of a CPU tensor, spelled as its CUDA counterpart.

@@ -1,15 +1,17 @@
-"""Forward-only passes through megatron's schedule: next-token logits for sampling, and the
-logprobs of a batch (previous-policy and reference logprobs for the GRPO loss)."""
+"""Forward-only passes through megatron's schedule: the logprobs of a batch (previous-policy and
+reference logprobs for the GRPO loss). They need the policy's logits only, so the MTP block is
+skipped: it would cost a forward of every MTP layer for nothing."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from nemo_rl_mtp.models.megatron import cpu_runtime
 from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage
-from nemo_rl_mtp.models.megatron.data import Microbatch, causal_attention_mask, microbatches_for_this_rank
+from nemo_rl_mtp.models.megatron.data import Microbatch, microbatches_for_this_rank
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
 from nemo_rl_mtp.models.megatron.train import model_forward, run_schedule, token_logprobs
 
@@ -25,31 +27,27 @@ def forward_only(model, microbatches: list[Microbatch], outputs_of_logits) -> li
 
     model.eval()
     try:
-        with torch.no_grad(), cpu_runtime.device_scope():
+        with torch.no_grad(), cpu_runtime.device_scope(), mtp_block_skipped(model.module):
             return run_schedule(model, microbatches, forward_step, forward_only=True)
     finally:
         model.train()
 
 
-def last_token_logits(model, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits ``[b, v]`` at each row's last token (row b ends at lengths[b] - 1),
-    on every pipeline stage."""
-    seq_length = input_ids.shape[1]
-    microbatch = Microbatch(
-        input_ids=input_ids,
-        position_ids=torch.arange(seq_length, device=input_ids.device).expand_as(input_ids),
-        attention_mask=causal_attention_mask(seq_length).to(input_ids.device),
-        packed_seq_params=None,
-        mtp_loss_mask=None,
-    )
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-
-    def keep_last(microbatch, logits):
-        return {"logits": gather_from_tensor_model_parallel_region(logits[rows, lengths - 1].float())}
-
-    outputs = forward_only(model, [microbatch], keep_last)
-    logits = outputs[0]["logits"] if outputs else None
-    return broadcast_from_last_pipeline_stage(logits)
+@contextlib.contextmanager
+def mtp_block_skipped(gpt_model):
+    """Run forwards without the MTP block: the model's forward decides whether to run it from
+    ``mtp_process`` and whether to split off MTP hidden states from ``config.mtp_num_layers``
+    (None: no MTP). Forwards are not re-entrant, so the brief change is safe."""
+    if not getattr(gpt_model, "mtp_process", False):
+        yield
+        return
+    config = gpt_model.config
+    num_layers = config.mtp_num_layers
+    gpt_model.mtp_process, config.mtp_num_layers = False, None
+    try:
+        yield
+    finally:
+        gpt_model.mtp_process, config.mtp_num_layers = True, num_layers
 
 
 def compute_logprobs(policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], policy_cfg) -> torch.Tensor:

@@ -13,6 +13,9 @@ from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorke
 
 logger = logging.getLogger(__name__)
 
+# Per-sample rollout tensors (concatenated over data-parallel ranks); other results are summed.
+ROLLOUT_KEYS = ("tokens", "lengths", "prompt_lengths", "logprobs")
+
 
 class Policy:
     def __init__(self, cfg, vocab_size: int):
@@ -61,14 +64,19 @@ class Policy:
         return [results[self.reader_of_dp_rank[rank]] for rank in range(self.dp_size)]
 
     def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int) -> dict[str, torch.Tensor]:
+        """Rollouts of every data-parallel rank, in prompt order: ``tokens``, ``lengths``,
+        ``prompt_lengths``, ``logprobs`` (see ``RolloutEngine.generate``); engine statistics
+        (``decode_steps``, ``draft_proposed``, ``draft_accepted``) summed over the ranks."""
         shards = self._run_sharded("generate", prompts, eos_id, pad_id, seed)
         width = max(shard["tokens"].shape[1] for shard in shards)
         merged = {}
         for key in shards[0]:
             parts = [shard[key] for shard in shards]
-            if parts[0].dim() == 2:
-                parts = [torch.nn.functional.pad(part, (0, width - part.shape[1]), value=pad_id if key == "tokens" else 0) for part in parts]
-            merged[key] = torch.cat(parts)
+            if key in ROLLOUT_KEYS:
+                parts = [_pad_columns(part, width, pad_id if key == "tokens" else 0) for part in parts]
+                merged[key] = torch.cat(parts)
+            else:
+                merged[key] = torch.stack(parts).sum(dim=0)
         return merged
 
     def get_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -87,3 +95,10 @@ class Policy:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.placement_group)
+
+
+def _pad_columns(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
+    """[B, S] rows right-padded to ``width`` columns; 1-D tensors unchanged."""
+    if tensor.dim() != 2:
+        return tensor
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)

@@ -25,8 +25,11 @@ class MegatronPolicyWorker:
         self.policy_cfg = policy_cfg
         self.vocab_size = vocab_size
         self.rank = rank
+        from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
+
         initialize_model_parallel(policy_cfg.megatron_cfg, rank, world_size, init_method)
         self.policy = setup_megatron_policy(policy_cfg, vocab_size)
+        self.rollout_engine = RolloutEngine(self.policy, policy_cfg)
         # The reference policy for the KL penalty: the initial weights, kept on the host.
         self.reference_weights = self._host_copy_of_weights() if keep_reference_weights else None
 
@@ -45,22 +48,12 @@ class MegatronPolicyWorker:
         }
 
     def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int) -> dict:
-        """Responses to this rank's share of the prompts (shares are equal and contiguous)."""
+        """Responses to this rank's share of the prompts, from the inference engine over the live
+        model. Each data-parallel rank draws from its own seed; its tensor/pipeline peers share it."""
         from megatron.core import parallel_state
 
-        from nemo_rl_mtp.models.generation.megatron_generation import generate
-
-        first_sample_index = parallel_state.get_data_parallel_rank() * len(prompts)
-        return generate(
-            self.policy.model,
-            prompts,
-            self.policy_cfg.generation,
-            self.vocab_size,
-            eos_id,
-            pad_id,
-            seed,
-            first_sample_index,
-        )
+        rank_seed = seed * 1_000_003 + parallel_state.get_data_parallel_rank()
+        return self.rollout_engine.generate(prompts, eos_id, pad_id, rank_seed)
 
     def get_logprobs(self, batch: dict):
         from nemo_rl_mtp.models.megatron.inference import compute_logprobs

@@ -1,0 +1,193 @@
+"""Rollouts on megatron-core's dynamic inference engine, over the policy's live training model.
+
+The engine is built once per policy worker, around the GPTModel being trained (no weight copy:
+every rollout samples from the newest weights), and reset before each rollout. It keeps a paged KV
+cache and, with ``num_speculative_tokens > 0``, speculates with the model's own MTP heads
+(see :mod:`speculation`).
+
+What the engine needs from us around each rollout:
+- eval mode, no autograd, megatron's ``InferenceMode`` flag set, and the model handed back in
+  train mode with the flag cleared (a training forward with the flag set skips the MTP loss);
+- the policy's sampling distribution on the output layer: logits / temperature with the padding
+  ids masked (:func:`policy_sampling_distribution`). The engine then samples at temperature 1
+  and its raw log-probs are the log-probs under the sampling temperature, as training computes
+  them (megatron refuses its ``processed_logprobs`` with speculation). MTP drafts come through the
+  same output layer, so they are drafted from the same tempered distribution;
+- a seed: the engine draws from one generator per controller, reseeded for each rollout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from nemo_rl_mtp.models.generation.speculation import speculation_counts
+from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime
+from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
+from nemo_rl_mtp.utils.config_schema import PolicyConfig
+
+
+class RolloutEngine:
+    """megatron-core's DynamicInferenceEngine over one policy worker's live model."""
+
+    def __init__(self, policy: MegatronPolicyModel, policy_cfg: PolicyConfig):
+        self.policy = policy
+        self.generation_cfg = policy_cfg.generation
+        self.engine = build_engine(policy.model.module, policy_cfg)
+
+    def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int) -> dict[str, torch.Tensor]:
+        """Sample a response to each prompt (token ids).
+
+        Returns host tensors: ``tokens`` [B, S] (prompt + response, right-padded with ``pad_id``),
+        ``lengths`` [B], ``prompt_lengths`` [B], ``logprobs`` [B, S] (token-aligned: each response
+        token's log-prob under the sampling temperature, 0 elsewhere), ``decode_steps`` [] (engine
+        forward passes) and the speculation counts ``draft_proposed``/``draft_accepted`` [k].
+        """
+        self.engine.reset()
+        self.engine.controller.sampling_rng.manual_seed(seed)
+        with rollout_mode(self.policy.model), policy_sampling_distribution(
+            self.policy.model.module, self.generation_cfg.temperature, self.policy.vocab_size
+        ):
+            responses, decode_steps = run_to_completion(self.engine, prompts, self.sampling_params(eos_id))
+        rollouts = right_padded_rollouts(prompts, responses, eos_id, pad_id)
+        rollouts["decode_steps"] = torch.tensor(decode_steps)
+        rollouts.update(speculation_counts(self.engine))
+        return rollouts
+
+    def sampling_params(self, eos_id: int):
+        """megatron's SamplingParams for our generation config. Temperature is applied to the
+        logits (see module docstring), so megatron samples at 1.0; our top_p "off" (1.0) is 0.0
+        there."""
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        cfg = self.generation_cfg
+        return SamplingParams(
+            temperature=1.0,
+            top_k=cfg.top_k,
+            top_p=0.0 if cfg.top_p >= 1.0 else cfg.top_p,
+            return_log_probs=True,
+            skip_prompt_log_probs=True,
+            num_tokens_to_generate=cfg.max_new_tokens,
+            termination_id=eos_id,
+        )
+
+
+def build_engine(model, policy_cfg: PolicyConfig):
+    """Context (paged KV cache), wrapper, controller and engine around ``model``, as megatron's
+    own ``MegatronLLM`` assembles them. The engine constructor sets the process-wide
+    ``InferenceMode`` flag; it is cleared here so training forwards stay training forwards."""
+    from megatron.core.inference.config import InferenceConfig
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+    from megatron.core.inference.utils import InferenceMode
+
+    cpu_inference_runtime.install()
+    sizing = policy_cfg.generation.engine
+    inference_config = InferenceConfig(
+        block_size_tokens=sizing.block_size_tokens,
+        buffer_size_gb=sizing.buffer_size_gb,
+        max_requests=sizing.max_requests,
+        max_tokens=sizing.max_tokens,
+        max_sequence_length=policy_cfg.max_total_sequence_length,
+        num_speculative_tokens=policy_cfg.generation.num_speculative_tokens,
+    )
+    with cpu_runtime.device_scope():
+        context = DynamicInferenceContext(model.config, inference_config)
+        controller = TextGenerationController(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
+        engine = DynamicInferenceEngine(controller=controller, context=context)
+    InferenceMode.unset_active()
+    return engine
+
+
+class TokenIdsAsText:
+    """The engine detokenizes every finished request; rollouts are token ids, so their text is
+    just the ids (which keeps the engine independent of the task's tokenizer)."""
+
+    def detokenize(self, token_ids, **kwargs) -> str:
+        return " ".join(str(token) for token in token_ids)
+
+
+@contextlib.contextmanager
+def rollout_mode(model):
+    """Eval mode, no autograd, megatron's InferenceMode flag and the CPU device scope for the
+    duration of a rollout; train mode and a cleared flag afterwards, whatever happens."""
+    from megatron.core.inference.utils import InferenceMode
+
+    model.eval()
+    try:
+        with torch.no_grad(), cpu_runtime.device_scope(), InferenceMode.active():
+            yield
+    finally:
+        model.train()
+
+
+@contextlib.contextmanager
+def policy_sampling_distribution(model, temperature: float, vocab_size: int):
+    """Make the output layer emit the logits of the policy's sampling distribution: divided by
+    the temperature, -inf on ids past the tokenizer's vocabulary. A no-op on pipeline stages
+    without an output layer."""
+    output_layer = getattr(model, "output_layer", None) if model.post_process else None
+    if output_layer is None:
+        yield
+        return
+
+    def tempered(module, inputs, output):
+        logits, bias = output
+        return mask_ids_past_vocabulary(logits / temperature, vocab_size, model.vocab_size), bias
+
+    handle = output_layer.register_forward_hook(tempered)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def mask_ids_past_vocabulary(logits: torch.Tensor, vocab_size: int, padded_vocab_size: int) -> torch.Tensor:
+    """-inf on ids >= ``vocab_size``, for full-vocabulary logits or this TP rank's shard."""
+    from megatron.core import parallel_state
+
+    width = logits.shape[-1]
+    first_id = 0 if width == padded_vocab_size else parallel_state.get_tensor_model_parallel_rank() * width
+    if first_id + width <= vocab_size:
+        return logits
+    ids = torch.arange(first_id, first_id + width, device=logits.device)
+    return logits.masked_fill(ids >= vocab_size, float("-inf"))
+
+
+def run_to_completion(engine, prompts: list[list[int]], sampling_params) -> tuple[list, int]:
+    """Add every prompt, step the engine until all requests finish; returns the finished
+    requests in prompt order and the number of engine steps (forward passes)."""
+    for request_id, prompt in enumerate(prompts):
+        engine.add_request(request_id, prompt, sampling_params)
+    finished, steps = [], 0
+    while engine.has_unfinished_requests():
+        finished.extend(engine.step_modern()["finished_request_records"])
+        steps += 1
+    finished.sort(key=lambda record: record.request_id)
+    return [record.merge() for record in finished], steps
+
+
+def right_padded_rollouts(prompts: list[list[int]], responses: list, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompt + response rows, right-padded, with token-aligned response log-probs. A response
+    ends at its first end-of-sequence token: accepted drafts may run past it within a step."""
+    generated = [_through_first(list(request.generated_tokens), eos_id) for request in responses]
+    prompt_lengths = torch.tensor([len(prompt) for prompt in prompts])
+    lengths = prompt_lengths + torch.tensor([len(tokens) for tokens in generated])
+    tokens = torch.full((len(prompts), int(lengths.max())), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(tokens.shape, dtype=torch.float32)
+    for row, (prompt, response, request) in enumerate(zip(prompts, generated, responses)):
+        tokens[row, : len(prompt)] = torch.tensor(prompt)
+        tokens[row, len(prompt) : len(prompt) + len(response)] = torch.tensor(response, dtype=torch.long)
+        logprobs[row, len(prompt) : len(prompt) + len(response)] = torch.tensor(
+            request.generated_log_probs[: len(response)]
+        )
+    return {"tokens": tokens, "lengths": lengths, "prompt_lengths": prompt_lengths, "logprobs": logprobs}
+
+
+def _through_first(tokens: list[int], eos_id: int) -> list[int]:
+    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens

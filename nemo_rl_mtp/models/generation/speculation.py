@@ -1,0 +1,81 @@
+"""Speculative decoding with the policy's own MTP heads, as megatron-core's inference engine does
+it, and the acceptance metrics of a rollout.
+
+The path, step by step (all of it inside the engine, over the live training model):
+  1. drafts        - after each verified step the MTP layers run serially on the hidden state of
+                     the last accepted token: depth d proposes draft d + 1 from the token before
+                     it, sampled with the request's sampling parameters (``num_speculative_tokens``
+                     drafts per request; a repeated MTP layer may propose more than it has layers)
+  2. verification  - the next forward pass runs the policy over [last token, drafts] at once; a
+                     draft is accepted when it equals the policy's own sample at its position, the
+                     first mismatch ends the run, and the policy's sample there is the bonus token.
+                     Exact: the output is what sampling without speculation would draw.
+  3. metrics       - per draft position i, drafts proposed and accepted (``speculation_counts``),
+                     summed over data-parallel ranks (``Policy.generate``), logged as
+                     ``rollout/...`` (``speculation_metrics``) next to the training-side
+                     ``mtp_{i}_acceptance_rate``.
+
+Verification by equality accepts a draft x with probability p(x) (p: policy, q: MTP head), so
+acceptance at temperature > 0 is sum_x p(x) q(x), below speculative sampling's sum_x min(p, q).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+def max_speculative_tokens(megatron_cfg) -> int | None:
+    """The most drafts per step the installed engine accepts for this model: ``mtp_num_layers``,
+    unlimited (None) for a repeated MTP layer, 0 where the engine has no speculative decoding."""
+    from megatron.core.inference.config import InferenceConfig
+
+    if "num_speculative_tokens" not in {field.name for field in dataclasses.fields(InferenceConfig)}:
+        return 0
+    if megatron_cfg.mtp_num_layers and megatron_cfg.mtp_use_repeated_layer:
+        return None
+    return megatron_cfg.mtp_num_layers
+
+
+def check_speculation_supported(generation_cfg, megatron_cfg) -> None:
+    """Raise ValueError naming the key when the engine cannot speculate as configured."""
+    k = generation_cfg.num_speculative_tokens
+    if k <= 0:
+        return
+    limit = max_speculative_tokens(megatron_cfg)
+    if limit is not None and k > limit:
+        raise ValueError(
+            f"policy.generation.num_speculative_tokens={k}: this model's MTP heads can propose at most {limit} "
+            f"draft(s) per step (policy.megatron_cfg.mtp_num_layers={megatron_cfg.mtp_num_layers}, "
+            f"mtp_use_repeated_layer={megatron_cfg.mtp_use_repeated_layer}); lower it or add MTP layers"
+        )
+
+
+def speculation_counts(engine) -> dict[str, torch.Tensor]:
+    """Drafts proposed and accepted per position ``[k]`` since the engine's last reset.
+
+    megatron keeps these in private counters (``_spec_tokens_{proposed,accepted}_per_pos``); a
+    request's decode step proposes at every position, so ``proposed[0]`` counts request-steps.
+    """
+    return {
+        "draft_proposed": engine._spec_tokens_proposed_per_pos.clone(),
+        "draft_accepted": engine._spec_tokens_accepted_per_pos.clone(),
+    }
+
+
+def speculation_metrics(counts: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per draft position i (1-indexed): proposed, accepted, acceptance rate in percent; and the
+    tokens a request gains per decode step (1 + accepted drafts). ``{}`` without speculation."""
+    proposed, accepted = counts["draft_proposed"].double(), counts["draft_accepted"].double()
+    if proposed.numel() == 0:
+        return {}
+    metrics = {}
+    for position, (num_proposed, num_accepted) in enumerate(zip(proposed.tolist(), accepted.tolist()), start=1):
+        metrics[f"rollout/draft_{position}_proposed"] = num_proposed
+        metrics[f"rollout/draft_{position}_accepted"] = num_accepted
+        metrics[f"rollout/draft_{position}_acceptance_rate"] = 100.0 * num_accepted / max(num_proposed, 1.0)
+    accepted_per_step = float(accepted.sum() / proposed[0].clamp(min=1))
+    metrics["rollout/accepted_drafts_per_decode_step"] = accepted_per_step
+    metrics["rollout/tokens_per_decode_step"] = 1.0 + accepted_per_step
+    return metrics

@@ -1,0 +1,104 @@
+"""Paged attention in plain torch, standing in for flash-attn's paged kernels on a machine
+without CUDA.
+
+megatron-core's dynamic inference engine keeps keys and values in a paged cache (blocks of
+``block_size_tokens`` tokens, one row of block ids per request) and reads it through
+``flash_attn_varlen_func`` (prefill, requests of any length) and ``flash_attn_with_kvcache``
+(decode, every request with the same number of new tokens). Both are CUDA-only. The functions
+here take the same arguments and compute the same thing, all requests of a step in one batched
+matmul: a per-request loop measured 4x slower on a 2-core VM. Exact, not fast; causal masks are
+aligned bottom-right, as flash-attn aligns them when a request's queries are the last of its keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention(
+    queries: torch.Tensor,
+    query_lengths: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    key_lengths: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's queries over its cached keys.
+
+    queries ``[b, sq, h, d]`` (request r's first ``query_lengths[r]`` rows are real; they are the
+    last ``query_lengths[r]`` of its ``key_lengths[r]`` tokens); key/value cache
+    ``[num_blocks, block_size, h_kv, d]``; block_table ``[b, max_blocks]``. Returns ``[b, sq, h, d]``
+    (zeros on padding rows).
+    """
+    num_heads = queries.shape[2]
+    keys = _gather_blocks(key_cache, block_table, num_heads)
+    values = _gather_blocks(value_cache, block_table, num_heads)
+    scores = torch.einsum("bqhd,bkhd->bhqk", queries.float(), keys.float()) * softmax_scale
+    allowed = _causal_key_mask(query_lengths, key_lengths, queries.shape[1], keys.shape[1])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    # Padding query rows see no key: their softmax is NaN, and their output is zeroed below.
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, values.float()).to(queries.dtype)
+
+
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[b, max_blocks * block_size, h, d]``: each request's blocks in order, key/value heads
+    repeated for grouped-query attention. Unused block ids (-1) read some block; masked later."""
+    gathered = cache[block_table.long()].flatten(1, 2)
+    groups = num_heads // gathered.shape[2]
+    return gathered.repeat_interleave(groups, dim=2) if groups > 1 else gathered
+
+
+def _causal_key_mask(
+    query_lengths: torch.Tensor, key_lengths: torch.Tensor, max_queries: int, max_keys: int
+) -> torch.Tensor:
+    """``[b, sq, sk]``: query i of request r sits at position ``key_lengths[r] - query_lengths[r]
+    + i`` and sees the keys at or before it; padding query rows see nothing."""
+    query_index = torch.arange(max_queries, device=key_lengths.device)
+    key_index = torch.arange(max_keys, device=key_lengths.device)
+    query_position = (key_lengths - query_lengths)[:, None] + query_index[None, :]
+    allowed = key_index[None, None, :] <= query_position[:, :, None]
+    return allowed & (query_index[None, :] < query_lengths[:, None])[:, :, None]
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+    causal=True, window_size=(-1, -1), block_table=None, return_attn_probs=False, **unused
+) -> torch.Tensor:
+    """flash-attn's varlen kernel over a paged cache (the engine's prefill and mixed steps):
+    q ``[total_q, h, d]`` packed by ``cu_seqlens_q``; returns ``[total_q, h, d]``."""
+    _check_supported(causal, window_size, return_attn_probs, block_table)
+    query_lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    key_lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    num_requests = query_lengths.shape[0]
+    widest = int(query_lengths.max()) if num_requests else 0
+    rows = cu_seqlens_q[:-1, None].long() + torch.arange(widest, device=q.device)[None, :]
+    real = torch.arange(widest, device=q.device)[None, :] < query_lengths[:, None]
+    padded_queries = q[rows.clamp(max=q.shape[0] - 1)]
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    attended = paged_attention(padded_queries, query_lengths, k, v, block_table[:num_requests], key_lengths, scale)
+    output = torch.zeros_like(q)
+    output[rows[real]] = attended[real]
+    return output
+
+
+def flash_attn_with_kvcache(
+    q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=True, window_size=(-1, -1),
+    block_table=None, return_softmax_lse=False, **unused
+) -> torch.Tensor:
+    """flash-attn's decode kernel over a paged cache: q ``[b, s, h, d]`` (s new tokens per request,
+    already appended to the cache); returns ``[b, s, h, d]``."""
+    _check_supported(causal, window_size, return_softmax_lse, block_table)
+    num_requests, num_new = q.shape[:2]
+    query_lengths = torch.full((num_requests,), num_new, dtype=torch.long, device=q.device)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return paged_attention(q, query_lengths, k_cache, v_cache, block_table, cache_seqlens.long(), scale)
+
+
+def _check_supported(causal, window_size, return_softmax_statistics, block_table) -> None:
+    if not causal or tuple(window_size) != (-1, -1) or return_softmax_statistics or block_table is None:
+        raise NotImplementedError(
+            "CPU paged attention covers causal full attention over a paged cache only "
+            f"(causal={causal}, window_size={window_size}, softmax statistics={return_softmax_statistics})"
+        )

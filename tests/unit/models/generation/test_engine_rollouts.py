@@ -1,0 +1,181 @@
+"""Rollouts on megatron-core's real DynamicInferenceEngine (CPU), with and without speculation by
+the policy's own MTP heads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from megatron.core.inference.utils import InferenceMode
+
+from nemo_rl_mtp.algorithms.imitation import demonstration_batch, imitation_step
+from nemo_rl_mtp.data.tokenizer import DigitTokenizer
+from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
+from nemo_rl_mtp.models.generation.speculation import speculation_metrics
+from nemo_rl_mtp.models.megatron.inference import compute_logprobs
+from tests.helpers import VOCAB_SIZE, greedy_reference, make_policy, response_mask, tiny_config
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+TOKENIZER = DigitTokenizer()
+PROMPTS = [TOKENIZER.encode_prompt(digits) for digits in ([1, 2], [3, 4, 5], [6], [7, 8, 9, 0])] * 2
+
+
+def _overrides(num_speculative_tokens: int, mtp_num_layers: int = 2, **overrides) -> dict:
+    return {
+        "megatron_cfg__mtp_num_layers": mtp_num_layers,
+        "generation__num_speculative_tokens": num_speculative_tokens,
+        "generation__max_new_tokens": 12,
+        "max_total_sequence_length": 24,
+        "train_micro_batch_size": 4,
+        "train_global_batch_size": 8,
+        **overrides,
+    }
+
+
+def _policy(num_speculative_tokens: int, mtp_num_layers: int = 2, **overrides):
+    policy, cfg = make_policy(**_overrides(num_speculative_tokens, mtp_num_layers, **overrides))
+    return policy, cfg, RolloutEngine(policy, cfg)
+
+
+def _generate(engine, prompts=PROMPTS, seed=0):
+    return engine.generate(prompts, TOKENIZER.eos_id, TOKENIZER.pad_id, seed)
+
+
+def _training_batch(rollouts):
+    mask = response_mask(rollouts)
+    return mask, {
+        "input_ids": rollouts["tokens"],
+        "input_lengths": rollouts["lengths"],
+        "token_mask": mask.float(),
+        "sample_mask": torch.ones(rollouts["tokens"].shape[0]),
+    }
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [0, 1, 2])
+def test_greedy_rollouts_equal_a_full_forward_greedy_reference(num_speculative_tokens):
+    """Same weights for every k (same seed); the reference recomputes the whole prefix per token."""
+    policy, cfg, engine = _policy(num_speculative_tokens, generation__top_k=1)
+    rollouts = _generate(engine)
+    reference = greedy_reference(policy, PROMPTS, cfg.generation.max_new_tokens, TOKENIZER.eos_id)
+    assert [row[:length].tolist() for row, length in zip(rollouts["tokens"], rollouts["lengths"])] == reference
+    if num_speculative_tokens:
+        counts = rollouts["draft_proposed"]
+        assert counts.shape == (num_speculative_tokens,) and counts[0] > 0
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_rollout_logprobs_equal_training_logprobs(temperature, top_p):
+    policy, cfg, engine = _policy(2, generation__temperature=temperature, generation__top_p=top_p)
+    rollouts = _generate(engine, seed=5)
+    mask, batch = _training_batch(rollouts)
+    training = compute_logprobs(policy, batch, cfg)
+    assert mask.sum() > len(PROMPTS)
+    torch.testing.assert_close(rollouts["logprobs"][mask], training[mask], rtol=0, atol=1e-5)
+    again = _generate(engine, seed=5)
+    assert torch.equal(again["tokens"], rollouts["tokens"])  # same seed, same rollouts
+
+
+def test_ids_past_the_tokenizer_vocabulary_are_never_sampled():
+    """The output layer holds 32 ids, the tokenizer 14: the rest must get no probability."""
+    policy, _, engine = _policy(1, generation__temperature=2.0)
+    policy.vocab_size = TOKENIZER.vocab_size
+    rollouts = _generate(engine, prompts=PROMPTS * 8, seed=1)
+    generated = rollouts["tokens"][response_mask(rollouts)]
+    assert generated.numel() > 300
+    assert generated.max() < TOKENIZER.vocab_size
+
+
+def test_next_rollout_uses_the_trained_weights_and_training_still_computes_the_mtp_loss():
+    """No weight reload: the engine reads the live model. And generation leaves megatron's
+    InferenceMode flag cleared and the model in train mode, so the MTP loss is still computed."""
+    policy, cfg, engine = _policy(1, generation__top_k=1)
+    before = _generate(engine)
+    assert not InferenceMode.is_active() and policy.model.training
+    demonstrations = demonstration_batch("reverse", [[1, 2], [3, 4, 5], [6], [7, 8, 9, 0]] * 2, TOKENIZER)
+    metrics = imitation_step(policy, demonstrations, cfg)
+    assert metrics["mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
+    after = _generate(engine)
+    reference = greedy_reference(policy, PROMPTS, cfg.generation.max_new_tokens, TOKENIZER.eos_id)
+    assert [row[:length].tolist() for row, length in zip(after["tokens"], after["lengths"])] == reference
+    assert not torch.equal(after["logprobs"], before["logprobs"])
+
+
+def test_forward_only_passes_run_no_mtp_layer():
+    policy, cfg, engine = _policy(0, mtp_num_layers=1)
+    calls = []
+    hook = policy.model.module.mtp.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        _, batch = _training_batch(_generate(engine))
+        compute_logprobs(policy, batch, cfg)
+        assert calls == []
+        imitation_step(policy, demonstration_batch("reverse", [[1, 2], [3, 4]] * 4, TOKENIZER), cfg)
+        assert calls  # control: the training forward does run it
+    finally:
+        hook.remove()
+
+
+def _token_counts(rollouts, position: int) -> torch.Tensor:
+    tokens = rollouts["tokens"]
+    column = rollouts["prompt_lengths"] + position
+    present = column < rollouts["lengths"]
+    picked = tokens[present.nonzero().squeeze(1), column[present]]
+    return torch.bincount(picked, minlength=VOCAB_SIZE)
+
+
+def _chi_square_homogeneity(first: torch.Tensor, second: torch.Tensor) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the tokens seen at least 5 times in the pooled
+    sample (rarer tokens pooled into one bin), and its degrees of freedom."""
+    pooled = first + second
+    common = pooled >= 5
+    first = torch.cat([first[common], first[~common].sum().reshape(1)]).double()
+    second = torch.cat([second[common], second[~common].sum().reshape(1)]).double()
+    keep = (first + second) > 0
+    first, second = first[keep], second[keep]
+    n_first, n_second = first.sum(), second.sum()
+    total = first + second
+    expected_first, expected_second = total * n_first / (n_first + n_second), total * n_second / (n_first + n_second)
+    statistic = ((first - expected_first) ** 2 / expected_first + (second - expected_second) ** 2 / expected_second).sum()
+    return float(statistic), int(keep.sum()) - 1
+
+
+def _chi_square_quantile(degrees_of_freedom: int, z: float) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile at normal score ``z``."""
+    k = degrees_of_freedom
+    return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
+
+
+@pytest.mark.slow
+def test_speculative_sampling_draws_the_same_token_distribution_as_plain_sampling():
+    """Temperature 1, heads trained until drafts are often accepted: per response position, the
+    tokens drawn with k=2 and with k=0 come from one distribution (two-sample chi-square test at
+    significance 1e-3; the threshold follows from the number of token classes observed). Control:
+    the same test tells temperature 0.6 from temperature 1."""
+    sizes = {"generation__max_new_tokens": 5, "train_micro_batch_size": 64, "train_global_batch_size": 64, "megatron_cfg__optimizer__lr": 3e-3}
+    policy, cfg, speculating = _policy(2, **sizes)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        lengths = torch.randint(2, 4, (64,), generator=generator)
+        digits = [torch.randint(0, 10, (int(n),), generator=generator).tolist() for n in lengths]
+        imitation_step(policy, demonstration_batch("count_up", digits, TOKENIZER), cfg)
+    plain = RolloutEngine(policy, tiny_config(**_overrides(0, **sizes)).policy)
+    colder = RolloutEngine(policy, tiny_config(**_overrides(0, generation__temperature=0.6, **sizes)).policy)
+    prompts = [TOKENIZER.encode_prompt([3, 7])] * 400
+    with_drafts = _generate(speculating, prompts, seed=11)
+    acceptance = speculation_metrics(with_drafts)["rollout/draft_1_acceptance_rate"]
+    assert acceptance > 30, f"{acceptance:.0f}% of drafts accepted: too few for the test to bite"
+    same, different = [], []
+    for position in range(4):
+        drafted = _token_counts(with_drafts, position)
+        same.append(_chi_square_test(drafted, _token_counts(_generate(plain, prompts, seed=12), position)))
+        different.append(_chi_square_test(drafted, _token_counts(_generate(colder, prompts, seed=13), position)))
+    print(f"draft 1 acceptance {acceptance:.0f}%; k=2 vs k=0: {same}; vs temperature 0.6: {different}")
+    assert all(passed for passed, _ in same), same
+    assert not all(passed for passed, _ in different), different
+
+
+def _chi_square_test(first: torch.Tensor, second: torch.Tensor) -> tuple[bool, str]:
+    statistic, dof = _chi_square_homogeneity(first, second)
+    threshold = _chi_square_quantile(dof, z=3.09) if dof else math.inf
+    return statistic < threshold, f"chi2={statistic:.1f} dof={dof} threshold={threshold:.1f}"
