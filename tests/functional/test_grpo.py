@@ -35,24 +35,25 @@ TIMING_KEYS = ("timing/", "rollout/tokens_per_s")
 def runs(tmp_path_factory):
     """Run each configuration once; tests inspect the results."""
     log_dir = tmp_path_factory.mktemp("logs")
+    quiet = ["logger.wandb_enabled=false", "logger.tensorboard_enabled=false"]
+    greedy = ["policy.generation.top_k=1", *quiet]
     configs = {
+        # The default recipe: one MTP layer, speculating one draft token.
         "mtp1": [],
-        "mtp2": ["policy.megatron_cfg.mtp_num_layers=2", "logger.wandb_enabled=false"],
-        "mtp_off": ["policy.megatron_cfg.mtp_num_layers=0", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false"],
-        "mtp1_dp2": ["cluster.workers_per_node=2", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false"],
-        "mtp1_tp2": [
-            "cluster.workers_per_node=2",
-            "policy.megatron_cfg.tensor_model_parallel_size=2",
-            "logger.wandb_enabled=false",
-            "logger.tensorboard_enabled=false",
-        ],
+        "mtp2": ["policy.megatron_cfg.mtp_num_layers=2", "policy.generation.num_speculative_tokens=2", "logger.wandb_enabled=false"],
+        "mtp_off": ["policy.megatron_cfg.mtp_num_layers=0", "policy.generation.num_speculative_tokens=0", *quiet],
+        "mtp1_tp2": ["cluster.workers_per_node=2", "policy.megatron_cfg.tensor_model_parallel_size=2", *quiet],
         "mtp2_pp2": [
             "cluster.workers_per_node=2",
             "policy.megatron_cfg.pipeline_model_parallel_size=2",
             "policy.megatron_cfg.mtp_num_layers=2",
-            "logger.wandb_enabled=false",
-            "logger.tensorboard_enabled=false",
+            "policy.generation.num_speculative_tokens=2",
+            *quiet,
         ],
+        # Sampled rollouts depend on how prompts are batched (one generator per engine), so the
+        # data-parallel layouts are compared on greedy rollouts.
+        "greedy": greedy,
+        "greedy_dp2": ["cluster.workers_per_node=2", *greedy],
     }
     results = {}
     for name, overrides in configs.items():
@@ -119,17 +120,37 @@ def test_tensorboard_events_written(runs):
     assert list((runs["mtp1"] / "tensorboard").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize("layout", ["mtp1_dp2", "mtp1_tp2"])
-def test_data_and_tensor_parallel_two_give_the_same_metrics_as_one_worker(runs, layout):
-    """Same global batch, same initial weights (TP splits the same initial matrices)."""
-    one = read_metrics(runs["mtp1"] / "metrics.jsonl")
-    two = read_metrics(runs[layout] / "metrics.jsonl")
+@pytest.mark.parametrize("one, two", [("greedy", "greedy_dp2"), ("mtp1", "mtp1_tp2")])
+def test_data_and_tensor_parallel_two_give_the_same_metrics_as_one_worker(runs, one, two):
+    """Same global batch, same initial weights (TP splits the same initial matrices), same draws."""
+    one = read_metrics(runs[one] / "metrics.jsonl")
+    two = read_metrics(runs[two] / "metrics.jsonl")
     assert len(one) == len(two) == STEPS
     for step_one, step_two in zip(one, two):
         assert step_one.keys() == step_two.keys()
         for key, value in step_one.items():
             if not key.startswith(TIMING_KEYS):
                 assert step_two[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step_one["step"], key)
+
+
+@pytest.mark.parametrize("name, drafts", [("mtp1", 1), ("mtp2", 2), ("mtp2_pp2", 2)])
+def test_rollout_acceptance_logged_per_draft_position(runs, name, drafts):
+    for row in read_metrics(runs[name] / "metrics.jsonl"):
+        accepted_before = math.inf
+        for position in range(1, drafts + 1):
+            proposed, accepted = row[f"rollout/draft_{position}_proposed"], row[f"rollout/draft_{position}_accepted"]
+            assert 0 < proposed and 0 <= accepted <= min(proposed, accepted_before)
+            assert row[f"rollout/draft_{position}_acceptance_rate"] == pytest.approx(100 * accepted / proposed)
+            accepted_before = accepted  # a draft counts only when the drafts before it were accepted
+        assert f"rollout/draft_{drafts + 1}_proposed" not in row
+        assert 1.0 <= row["rollout/tokens_per_decode_step"] <= 1 + drafts
+        assert row["rollout/decode_steps"] >= 1 and row["rollout/tokens_per_s"] > 0
+
+
+def test_no_rollout_acceptance_without_speculation(runs):
+    for row in read_metrics(runs["mtp_off"] / "metrics.jsonl"):
+        assert not [key for key in row if key.startswith("rollout/draft_")]
+        assert row["rollout/decode_steps"] >= 1
 
 
 def test_plot_of_a_run(runs, tmp_path):
@@ -140,9 +161,18 @@ def test_plot_of_a_run(runs, tmp_path):
     assert image.shape[0] > 200 and image.shape[1] > 600
 
 
-def test_bad_config_is_rejected_before_any_worker(capsys):
-    assert run_grpo.main(["policy.megatron_cfg.mtp_num_layerz=2"]) == 2
-    assert "mtp_num_layerz" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["policy.megatron_cfg.mtp_num_layerz=2"], "mtp_num_layerz"),
+        (["policy.generation.num_speculative_tokens=-1"], "policy.generation.num_speculative_tokens=-1"),
+        (["policy.megatron_cfg.mtp_num_layers=0", "policy.generation.num_speculative_tokens=1"], "mtp_num_layers > 0"),
+        (["policy.megatron_cfg.mtp_num_layers=1", "policy.generation.num_speculative_tokens=2"], "at most 1 draft"),
+    ],
+)
+def test_bad_config_is_rejected_before_any_worker(overrides, named, capsys):
+    assert run_grpo.main(overrides) == 2
+    assert named in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("recipe", ["grpo_mtp_deepseek_v3_style_gpu.yaml", "grpo_mtp_nemotron3_super_style_gpu.yaml"])

@@ -13,8 +13,10 @@ from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorke
 
 logger = logging.getLogger(__name__)
 
-# Per-sample rollout tensors (concatenated over data-parallel ranks); other results are summed.
+# How the data-parallel ranks' rollout results combine: per-sample tensors are concatenated,
+# decode steps come from the rank that needed most (ranks step in parallel), counts are summed.
 ROLLOUT_KEYS = ("tokens", "lengths", "prompt_lengths", "logprobs")
+PARALLEL_KEYS = ("decode_steps",)
 
 
 class Policy:
@@ -65,8 +67,8 @@ class Policy:
 
     def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int) -> dict[str, torch.Tensor]:
         """Rollouts of every data-parallel rank, in prompt order: ``tokens``, ``lengths``,
-        ``prompt_lengths``, ``logprobs`` (see ``RolloutEngine.generate``); engine statistics
-        (``decode_steps``, ``draft_proposed``, ``draft_accepted``) summed over the ranks."""
+        ``prompt_lengths``, ``logprobs`` (see ``RolloutEngine.generate``); ``decode_steps`` of the
+        slowest rank; ``draft_proposed``, ``draft_accepted`` summed over the ranks."""
         shards = self._run_sharded("generate", prompts, eos_id, pad_id, seed)
         width = max(shard["tokens"].shape[1] for shard in shards)
         merged = {}
@@ -75,6 +77,8 @@ class Policy:
             if key in ROLLOUT_KEYS:
                 parts = [_pad_columns(part, width, pad_id if key == "tokens" else 0) for part in parts]
                 merged[key] = torch.cat(parts)
+            elif key in PARALLEL_KEYS:
+                merged[key] = torch.stack(parts).max(dim=0).values
             else:
                 merged[key] = torch.stack(parts).sum(dim=0)
         return merged

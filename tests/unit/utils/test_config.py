@@ -40,11 +40,20 @@ def test_recipe_inherits_through_defaults(tmp_path):
         ("policy.megatron_cfg.mtp_num_layers=-1", "policy.megatron_cfg.mtp_num_layers"),
         ("policy.train_micro_batch_size=7", "policy.train_global_batch_size"),
         ("policy.megatron_cfg.recompute_granularity=full", "policy.megatron_cfg.recompute_method"),
+        ("policy.generation.num_speculative_tokens=-1", "policy.generation.num_speculative_tokens"),
+        (
+            "policy.megatron_cfg.mtp_num_layers=0 policy.generation.num_speculative_tokens=1",
+            "policy.generation.num_speculative_tokens",
+        ),
+        ("policy.generation.top_k=-1", "policy.generation.top_k"),
+        ("policy.generation.top_k=1 policy.generation.top_p=0.9", "policy.generation.top_k"),
+        ("policy.generation.engine.buffer_size_gb=0", "policy.generation.engine.buffer_size_gb"),
+        ("policy.generation.engine.max_requests=0", "policy.generation.engine.max_requests"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(override, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
-        load_config(overrides=[override])
+        load_config(overrides=override.split())
 
 
 def test_unknown_key_in_a_recipe_names_file_and_key(tmp_path):
