@@ -70,29 +70,44 @@ def response_mask(rollouts: dict[str, torch.Tensor]) -> torch.Tensor:
     return (positions >= rollouts["prompt_lengths"][:, None]) & (positions < rollouts["lengths"][:, None])
 
 
-def greedy_reference(policy, prompts: list[list[int]], max_new_tokens: int, eos_id: int) -> list[list[int]]:
-    """Greedy decoding the slow, obvious way, as an oracle for the engine: for every new token, a
-    full forward of the whole sequence (no KV cache, no speculation), argmax over the real vocabulary."""
+def recompute_sampler(
+    policy, prompts: list[list[int]], max_new_tokens: int, eos_id: int, temperature: float = 0.0, seed: int = 0
+) -> list[list[int]]:
+    """Sampling the slow, obvious way, as an oracle for the engine (and the "before" of its
+    benchmark): for every new token, one full forward of all sequences (no KV cache, no
+    speculation), then argmax (``temperature`` 0) or a draw from softmax(logits / temperature),
+    over the real vocabulary. Returns each prompt followed by its response."""
     from nemo_rl_mtp.models.megatron import cpu_runtime
     from nemo_rl_mtp.models.megatron.data import causal_attention_mask
 
     model = policy.model.module
+    generator = torch.Generator().manual_seed(seed)
+    sequences = [list(prompt) for prompt in prompts]
+    active = list(range(len(prompts)))
     model.eval()
-    sequences = []
     try:
         with torch.no_grad(), cpu_runtime.device_scope():
-            for prompt in prompts:
-                tokens = list(prompt)
-                for _ in range(max_new_tokens):
-                    logits = model(
-                        input_ids=torch.tensor([tokens]),
-                        position_ids=torch.arange(len(tokens))[None, :],
-                        attention_mask=causal_attention_mask(len(tokens)),
-                    )
-                    tokens.append(int(logits[0, -1, : policy.vocab_size].argmax()))
-                    if tokens[-1] == eos_id:
-                        break
-                sequences.append(tokens)
+            for _ in range(max_new_tokens):
+                width = max(len(sequences[row]) for row in active)
+                input_ids = torch.zeros(len(active), width, dtype=torch.long)
+                for index, row in enumerate(active):
+                    input_ids[index, : len(sequences[row])] = torch.tensor(sequences[row])
+                logits = model(
+                    input_ids=input_ids,
+                    position_ids=torch.arange(width).expand_as(input_ids),
+                    attention_mask=causal_attention_mask(width),
+                )
+                last = torch.tensor([len(sequences[row]) - 1 for row in active])
+                logits = logits[torch.arange(len(active)), last, : policy.vocab_size].float()
+                if temperature == 0.0:
+                    next_tokens = logits.argmax(dim=-1)
+                else:
+                    next_tokens = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+                for row, token in zip(active, next_tokens.tolist()):
+                    sequences[row].append(token)
+                active = [row for row in active if sequences[row][-1] != eos_id]
+                if not active:
+                    break
     finally:
         model.train()
     return sequences

@@ -19,23 +19,29 @@ from nemo_rl_mtp.utils.config_schema import PolicyConfig
 _IMITATION_LOSS = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.0)
 
 
-def demonstration_batch(task: str, digit_prompts: list[list[int]], tokenizer: DigitTokenizer) -> dict[str, torch.Tensor]:
-    """A training batch of prompts followed by their correct answers (``[B, S]`` right-padded),
+def demonstration_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """A training batch of prompts followed by their answers (token ids; ``[B, S]`` right-padded),
     every answer token trained with advantage 1."""
-    rows = [(tokenizer.encode_prompt(digits), tokenizer.encode_answer(expected_answer(task, digits))) for digits in digit_prompts]
-    width = max(len(prompt) + len(answer) for prompt, answer in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
-    token_mask = torch.zeros(len(rows), width)
-    for row, (prompt, answer) in enumerate(rows):
+    width = max(len(prompt) + len(answer) for prompt, answer in zip(prompts, answers))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    token_mask = torch.zeros(len(prompts), width)
+    for row, (prompt, answer) in enumerate(zip(prompts, answers)):
         input_ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
         token_mask[row, len(prompt) : len(prompt) + len(answer)] = 1.0
     return {
         "input_ids": input_ids,
-        "input_lengths": torch.tensor([len(prompt) + len(answer) for prompt, answer in rows]),
+        "input_lengths": torch.tensor([len(prompt) + len(answer) for prompt, answer in zip(prompts, answers)]),
         "token_mask": token_mask,
-        "sample_mask": torch.ones(len(rows)),
+        "sample_mask": torch.ones(len(prompts)),
         "advantages": token_mask.clone(),
     }
+
+
+def task_demonstrations(task: str, digit_prompts: list[list[int]], tokenizer: DigitTokenizer) -> dict[str, torch.Tensor]:
+    """``demonstration_batch`` of a digit task: its prompts and correct answers."""
+    prompts = [tokenizer.encode_prompt(digits) for digits in digit_prompts]
+    answers = [tokenizer.encode_answer(expected_answer(task, digits)) for digits in digit_prompts]
+    return demonstration_batch(prompts, answers, tokenizer.pad_id)
 
 
 def imitation_step(policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], policy_cfg: PolicyConfig) -> dict[str, float]:

@@ -13,12 +13,15 @@ from omegaconf import OmegaConf
 
 logger = logging.getLogger(__name__)
 
-# Shown in the progress bar, when present: (metric key, short label).
+# Shown in the progress bar, when present: (metric key, short label). MTP acceptance in training
+# (mtp_acc) next to the rollout's acceptance of the first draft token (draft_acc).
 PROGRESS_FIELDS = (
     ("train/reward", "reward"),
     ("train/loss", "loss"),
     ("train/mtp/mtp_1_loss", "mtp_loss"),
     ("train/mtp/mtp_1_acceptance_rate", "mtp_acc"),
+    ("rollout/draft_1_acceptance_rate", "draft_acc"),
+    ("rollout/tokens_per_decode_step", "tok/step"),
     ("timing/step_s", "step_s"),
 )
 

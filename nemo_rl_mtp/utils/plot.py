@@ -1,4 +1,6 @@
-"""A run's log as a picture: reward, MTP loss per layer and MTP acceptance per layer, by step.
+"""A run's log as a picture, by step: reward; MTP loss per layer; MTP acceptance per layer in
+training (solid) next to the rollout's acceptance per draft position (dashed, same colour for
+layer i and draft i); and the tokens a request gains per decode step with speculation.
 
     uv run python -m nemo_rl_mtp.utils.plot logs/<run>/metrics.jsonl [-o run.png]
 """
@@ -17,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from nemo_rl_mtp.utils.logger import read_metrics  # noqa: E402
 
 _LAYER_KEY = re.compile(r"^train/mtp/mtp_(\d+)_(loss|acceptance_rate)$")
+_DRAFT_KEY = re.compile(r"^rollout/draft_(\d+)_acceptance_rate$")
 
 
 def plot_run(metrics_path: Path, output_path: Path) -> Path:
@@ -24,7 +27,8 @@ def plot_run(metrics_path: Path, output_path: Path) -> Path:
     if not rows:
         raise ValueError(f"{metrics_path} holds no steps")
     layers = sorted({int(m.group(1)) for row in rows for key in row if (m := _LAYER_KEY.match(key))})
-    figure, (reward_axis, loss_axis, acceptance_axis) = plt.subplots(1, 3, figsize=(15, 4))
+    drafts = sorted({int(m.group(1)) for row in rows for key in row if (m := _DRAFT_KEY.match(key))})
+    figure, (reward_axis, loss_axis, acceptance_axis, speedup_axis) = plt.subplots(1, 4, figsize=(20, 4))
 
     def series(key):
         points = [(row["step"], row[key]) for row in rows if key in row]
@@ -36,8 +40,16 @@ def plot_run(metrics_path: Path, output_path: Path) -> Path:
     reward_axis.set(title="Reward", xlabel="step", ylim=(0, 1))
     reward_axis.legend()
     for layer in layers:
-        loss_axis.plot(*series(f"train/mtp/mtp_{layer}_loss"), label=f"MTP layer {layer}")
-        acceptance_axis.plot(*series(f"train/mtp/mtp_{layer}_acceptance_rate"), label=f"MTP layer {layer}")
+        colour = f"C{layer - 1}"
+        loss_axis.plot(*series(f"train/mtp/mtp_{layer}_loss"), color=colour, label=f"MTP layer {layer}")
+        acceptance_axis.plot(
+            *series(f"train/mtp/mtp_{layer}_acceptance_rate"), color=colour, label=f"training, MTP layer {layer}"
+        )
+    for draft in drafts:
+        acceptance_axis.plot(
+            *series(f"rollout/draft_{draft}_acceptance_rate"), color=f"C{draft - 1}", linestyle="--",
+            label=f"rollout, draft {draft}",
+        )
     loss_axis.set(title="MTP loss", xlabel="step")
     acceptance_axis.set(title="MTP acceptance (%)", xlabel="step", ylim=(0, 100))
     for axis in (loss_axis, acceptance_axis):
@@ -45,6 +57,12 @@ def plot_run(metrics_path: Path, output_path: Path) -> Path:
             axis.legend()
         else:
             axis.text(0.5, 0.5, "MTP off", ha="center", va="center", transform=axis.transAxes)
+    speedup_axis.set(title="Tokens per decode step", xlabel="step")
+    if drafts:
+        speedup_axis.plot(*series("rollout/tokens_per_decode_step"), color="C3")
+        speedup_axis.set_ylim(1, 1 + max(drafts))
+    else:
+        speedup_axis.text(0.5, 0.5, "no speculation", ha="center", va="center", transform=speedup_axis.transAxes)
     figure.suptitle(metrics_path.parent.name)
     figure.tight_layout()
     figure.savefig(output_path, dpi=100)
@@ -53,7 +71,7 @@ def plot_run(metrics_path: Path, output_path: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Plot reward and per-layer MTP loss/acceptance of a run")
+    parser = argparse.ArgumentParser(description="Plot reward, MTP loss and training/rollout acceptance of a run")
     parser.add_argument("metrics", type=Path, help="the run's metrics.jsonl")
     parser.add_argument("-o", "--output", type=Path, help="PNG path (default: next to metrics.jsonl)")
     args = parser.parse_args()

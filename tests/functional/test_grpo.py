@@ -13,6 +13,8 @@ from nemo_rl_mtp.utils.logger import read_metrics
 from nemo_rl_mtp.utils.plot import plot_run
 from tests.wandb_offline import offline_history
 
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("run_grpo", REPO_ROOT / "examples" / "run_grpo.py")
 run_grpo = importlib.util.module_from_spec(_spec)

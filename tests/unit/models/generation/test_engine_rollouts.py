@@ -9,12 +9,12 @@ import pytest
 import torch
 from megatron.core.inference.utils import InferenceMode
 
-from nemo_rl_mtp.algorithms.imitation import demonstration_batch, imitation_step
+from nemo_rl_mtp.algorithms.imitation import imitation_step, task_demonstrations
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics
 from nemo_rl_mtp.models.megatron.inference import compute_logprobs
-from tests.helpers import VOCAB_SIZE, greedy_reference, make_policy, response_mask, tiny_config
+from tests.helpers import VOCAB_SIZE, make_policy, recompute_sampler, response_mask, tiny_config
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
@@ -58,7 +58,7 @@ def test_greedy_rollouts_equal_a_full_forward_greedy_reference(num_speculative_t
     """Same weights for every k (same seed); the reference recomputes the whole prefix per token."""
     policy, cfg, engine = _policy(num_speculative_tokens, generation__top_k=1)
     rollouts = _generate(engine)
-    reference = greedy_reference(policy, PROMPTS, cfg.generation.max_new_tokens, TOKENIZER.eos_id)
+    reference = recompute_sampler(policy, PROMPTS, cfg.generation.max_new_tokens, TOKENIZER.eos_id)
     assert [row[:length].tolist() for row, length in zip(rollouts["tokens"], rollouts["lengths"])] == reference
     if num_speculative_tokens:
         counts = rollouts["draft_proposed"]
@@ -93,11 +93,11 @@ def test_next_rollout_uses_the_trained_weights_and_training_still_computes_the_m
     policy, cfg, engine = _policy(1, generation__top_k=1)
     before = _generate(engine)
     assert not InferenceMode.is_active() and policy.model.training
-    demonstrations = demonstration_batch("reverse", [[1, 2], [3, 4, 5], [6], [7, 8, 9, 0]] * 2, TOKENIZER)
+    demonstrations = task_demonstrations("reverse", [[1, 2], [3, 4, 5], [6], [7, 8, 9, 0]] * 2, TOKENIZER)
     metrics = imitation_step(policy, demonstrations, cfg)
     assert metrics["mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
     after = _generate(engine)
-    reference = greedy_reference(policy, PROMPTS, cfg.generation.max_new_tokens, TOKENIZER.eos_id)
+    reference = recompute_sampler(policy, PROMPTS, cfg.generation.max_new_tokens, TOKENIZER.eos_id)
     assert [row[:length].tolist() for row, length in zip(after["tokens"], after["lengths"])] == reference
     assert not torch.equal(after["logprobs"], before["logprobs"])
 
@@ -110,7 +110,7 @@ def test_forward_only_passes_run_no_mtp_layer():
         _, batch = _training_batch(_generate(engine))
         compute_logprobs(policy, batch, cfg)
         assert calls == []
-        imitation_step(policy, demonstration_batch("reverse", [[1, 2], [3, 4]] * 4, TOKENIZER), cfg)
+        imitation_step(policy, task_demonstrations("reverse", [[1, 2], [3, 4]] * 4, TOKENIZER), cfg)
         assert calls  # control: the training forward does run it
     finally:
         hook.remove()
@@ -158,7 +158,7 @@ def test_speculative_sampling_draws_the_same_token_distribution_as_plain_samplin
     for _ in range(40):
         lengths = torch.randint(2, 4, (64,), generator=generator)
         digits = [torch.randint(0, 10, (int(n),), generator=generator).tolist() for n in lengths]
-        imitation_step(policy, demonstration_batch("count_up", digits, TOKENIZER), cfg)
+        imitation_step(policy, task_demonstrations("count_up", digits, TOKENIZER), cfg)
     plain = RolloutEngine(policy, tiny_config(**_overrides(0, **sizes)).policy)
     colder = RolloutEngine(policy, tiny_config(**_overrides(0, generation__temperature=0.6, **sizes)).policy)
     prompts = [TOKENIZER.encode_prompt([3, 7])] * 400

@@ -47,6 +47,8 @@ def test_device_scope_redirects_cuda_literals_only_inside():
         assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
         assert torch.ones(2).cuda().device.type == "cpu"
         assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+        assert torch.empty(2, pin_memory=True).device.type == "cpu"
+        assert torch.ones(2).pin_memory().device.type == "cpu"
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(2, device="cuda")
 
