@@ -1,4 +1,5 @@
-"""A core attention for the local (non-transformer_engine) spec that honours packed sequences.
+"""A core attention for the local (non-transformer_engine) spec that honours packed sequences, and
+builds its default causal mask on the query's device (megatron builds it on "cuda").
 
 megatron-core's local ``DotProductAttention`` rejects ``packed_seq_params``; transformer_engine
 needs CUDA. This subclass lets packed (THD) microbatches run anywhere: each token attends causally
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from nemo_rl_mtp.models.megatron.data import causal_attention_mask
 
 
 def packed_causal_mask(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
@@ -37,6 +40,9 @@ class PackedSequenceDotProductAttention(DotProductAttention):
         packed_seq_params: PackedSeqParams | None = None,
     ):
         if packed_seq_params is None:
+            if attention_mask is None:
+                # megatron's default causal mask is built on "cuda"; build it where the query is.
+                attention_mask = causal_attention_mask(query.shape[0]).to(query.device)
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         cu_seqlens = packed_seq_params.cu_seqlens_q_padded
         if cu_seqlens is None:
