@@ -173,7 +173,25 @@ def run_to_completion(engine, prompts: list[list[int]], sampling_params) -> tupl
         finished.extend(engine.step_modern()["finished_request_records"])
         steps += 1
     finished.sort(key=lambda record: record.request_id)
-    return [record.merge() for record in finished], steps
+    responses = [record.merge() for record in finished]
+    _raise_on_failed_requests(responses, engine.context.max_sequence_length)
+    return responses, steps
+
+
+def _raise_on_failed_requests(responses: list, max_sequence_length: int) -> None:
+    """The engine finishes a request it cannot take (too long, no room) as FAILED, with a warning;
+    a rollout with a missing response must not reach training."""
+    from megatron.core.inference.inference_request import Status
+
+    failed = [request for request in responses if request.status == Status.FAILED]
+    if failed:
+        request = failed[0]
+        raise RuntimeError(
+            f"the inference engine refused {len(failed)} rollout request(s), e.g. one of {len(request.prompt_tokens)} "
+            f"prompt tokens + {request.sampling_params.num_tokens_to_generate} new tokens with max_sequence_length "
+            f"{max_sequence_length}; see its warning above, and policy.max_total_sequence_length and "
+            "policy.generation.engine.* in the config"
+        )
 
 
 def right_padded_rollouts(prompts: list[list[int]], responses: list, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:

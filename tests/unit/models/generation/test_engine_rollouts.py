@@ -102,6 +102,15 @@ def test_next_rollout_uses_the_trained_weights_and_training_still_computes_the_m
     assert not torch.equal(after["logprobs"], before["logprobs"])
 
 
+def test_a_request_the_engine_refuses_fails_the_rollout_loudly():
+    _, _, engine = _policy(1)
+    too_long = [TOKENIZER.encode_prompt([1] * 30)]  # 32 prompt tokens > max_sequence_length 24
+    with pytest.raises(RuntimeError, match="refused 1 rollout request"):
+        _generate(engine, prompts=PROMPTS + too_long)
+    assert not InferenceMode.is_active()
+    assert torch.equal(_generate(engine, seed=3)["tokens"], _generate(engine, seed=3)["tokens"])  # still usable
+
+
 def test_forward_only_passes_run_no_mtp_layer():
     policy, cfg, engine = _policy(0, mtp_num_layers=1)
     calls = []
