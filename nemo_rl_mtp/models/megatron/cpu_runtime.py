@@ -65,7 +65,7 @@ def install() -> bool:
         # ran ~30x slower than with 1 (thread hand-off dominates). Set OMP_NUM_THREADS to override.
         torch.set_num_threads(1)
     torch.cuda.current_device = _cpu_current_device
-    torch.cuda.current_stream = _host_stream
+    torch.cuda.current_stream = host_stream
     torch.cuda.synchronize = _host_synchronize
     megatron_random._get_cuda_rng_state = _get_cpu_rng_state
     megatron_random._set_cuda_rng_state = _set_cpu_rng_state
@@ -105,7 +105,7 @@ class _HostStream:
         pass
 
 
-def _host_stream(device=None) -> _HostStream:
+def host_stream(device=None) -> _HostStream:
     return _HostStream()
 
 
