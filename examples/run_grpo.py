@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     first, last = history[0], history[-1]
     print(f"reward: {first['train/reward']:.3f} -> {last['train/reward']:.3f} over {len(history)} steps")
-    for key in sorted(k for k in last if k.startswith("train/mtp/") and k.endswith("acceptance_rate")):
+    for key in sorted(k for k in last if k.endswith("acceptance_rate")):
         print(f"{key}: {first[key]:.1f}% -> {last[key]:.1f}%")
+    if "rollout/tokens_per_decode_step" in last:
+        print(f"rollout/tokens_per_decode_step: {first['rollout/tokens_per_decode_step']:.2f} -> {last['rollout/tokens_per_decode_step']:.2f}")
     return 0
 
 
