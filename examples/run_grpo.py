@@ -21,13 +21,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="GRPO with Multi-Token Prediction on megatron-core")
     parser.add_argument("--config", default=str(DEFAULT_RECIPE), help="recipe YAML (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.max_num_steps=20")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing run directory of the same logger.run_name"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nemo_rl_mtp.algorithms.grpo import grpo_train
 
     try:
         cfg = load_config(args.config, args.overrides)
-        history = grpo_train(cfg)  # checks the config against this machine before any worker
+        # Checks the config against this machine and the run directory before any worker starts;
+        # resumes from the run directory's latest checkpoint when it has one.
+        history = grpo_train(cfg, overwrite=args.overwrite)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2

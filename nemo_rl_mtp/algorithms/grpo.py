@@ -9,9 +9,11 @@ workers themselves, so it always samples from the newest weights.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -19,8 +21,9 @@ from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
 from nemo_rl_mtp.models.generation.speculation import check_speculation_supported, speculation_metrics
+from nemo_rl_mtp.utils.checkpoint import CheckpointDirectory
 from nemo_rl_mtp.utils.config import ConfigError
-from nemo_rl_mtp.utils.logger import Logger
+from nemo_rl_mtp.utils.logger import Logger, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +87,16 @@ def preflight_checks(cfg) -> None:
         raise ConfigError(str(error)) from None
 
 
-def grpo_train(cfg) -> list[dict[str, float]]:
-    """Run GRPO as configured; returns the logged metrics of every step."""
+def grpo_train(cfg, overwrite: bool = False) -> list[dict[str, float]]:
+    """Run GRPO as configured, resuming from the run directory's latest complete checkpoint if it
+    has one; returns the logged metrics of every step (earlier ones read back on a resume).
+    ``overwrite`` replaces an existing run directory instead of refusing it."""
     from nemo_rl_mtp.models.policy.lm_policy import Policy
 
     preflight_checks(cfg)
+    run_dir = run_directory(cfg.logger)
+    checkpoints = CheckpointDirectory(checkpoint_root(cfg, run_dir), cfg.checkpointing.keep_last)
+    resume_from = prepare_run_directory(run_dir, checkpoints, overwrite)
     tokenizer = DigitTokenizer()
     env = DigitTaskEnvironment(cfg.env, tokenizer)
     loss_fn = ClippedPGLossFn(
@@ -96,21 +104,73 @@ def grpo_train(cfg) -> list[dict[str, float]]:
         ratio_clip_max=cfg.loss_fn.ratio_clip_max,
         reference_policy_kl_penalty=cfg.loss_fn.reference_policy_kl_penalty,
     )
-    run_dir = run_directory(cfg.logger)
-    log = Logger(cfg.logger, run_dir, cfg, cfg.grpo.max_num_steps)
+    prompt_generator = torch.Generator().manual_seed(cfg.grpo.seed)
+    trainer_state = {"steps_done": 0, "wandb_run_id": None}
+    if resume_from is not None:
+        trainer_state = torch.load(resume_from / TRAINER_STATE, weights_only=False)
+        prompt_generator.set_state(trainer_state["prompt_generator"])
+        logger.info("resuming %s from %s (%d steps done)", run_dir, resume_from, trainer_state["steps_done"])
     policy = Policy(cfg, tokenizer.vocab_size)
-    history = []
+    log = None
     try:
-        prompt_generator = torch.Generator().manual_seed(cfg.grpo.seed)
-        for step in range(cfg.grpo.max_num_steps):
+        if resume_from is not None:
+            policy.load_checkpoint(resume_from)
+        log = Logger(cfg.logger, run_dir, cfg, cfg.grpo.max_num_steps, trainer_state["steps_done"], trainer_state["wandb_run_id"])
+        for step in range(trainer_state["steps_done"], cfg.grpo.max_num_steps):
             metrics = grpo_step(cfg, step, policy, env, tokenizer, loss_fn, prompt_generator)
             log.log(metrics, step)
-            history.append(metrics)
+            if _checkpoint_due(cfg.checkpointing, step + 1, cfg.grpo.max_num_steps):
+                save_checkpoint(checkpoints, step + 1, policy, prompt_generator, log)
     finally:
-        log.close()
+        if log is not None:
+            log.close()
         policy.shutdown()
     logger.info("run logged to %s", run_dir)
-    return history
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+def checkpoint_root(cfg, run_dir: Path) -> Path:
+    return Path(cfg.checkpointing.checkpoint_dir) if cfg.checkpointing.checkpoint_dir else run_dir / "checkpoints"
+
+
+def prepare_run_directory(run_dir: Path, checkpoints: CheckpointDirectory, overwrite: bool) -> Optional[Path]:
+    """The checkpoint to resume from, or None for a new run. A run directory holding an earlier
+    run is resumed when it has a complete checkpoint, replaced with ``overwrite``, else refused:
+    two runs never write into one directory."""
+    if overwrite:
+        for directory in (run_dir, checkpoints.root):
+            if directory.exists():
+                shutil.rmtree(directory)
+        return None
+    latest = checkpoints.latest()
+    if latest is not None:
+        return latest
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(
+            f"logger.run_name={run_dir.name}: {run_dir} holds an earlier run with no complete checkpoint to resume "
+            "from; choose another logger.run_name, or pass --overwrite to replace it"
+        )
+    return None
+
+
+def _checkpoint_due(checkpointing_cfg, steps_done: int, max_num_steps: int) -> bool:
+    return checkpointing_cfg.enabled and (steps_done % checkpointing_cfg.save_period == 0 or steps_done == max_num_steps)
+
+
+def save_checkpoint(checkpoints: CheckpointDirectory, steps_done: int, policy, prompt_generator, log) -> Path:
+    """Policy shards (every worker) and the driver's state; complete only when all are written."""
+
+    def write(directory: Path) -> None:
+        policy.save_checkpoint(directory)
+        state = {"steps_done": steps_done, "prompt_generator": prompt_generator.get_state(), "wandb_run_id": log.wandb_run_id}
+        torch.save(state, directory / TRAINER_STATE)
+
+    path = checkpoints.save(steps_done, write)
+    logger.info("checkpoint %s", path)
+    return path
 
 
 def grpo_step(cfg, step, policy, env, tokenizer, loss_fn, prompt_generator) -> dict[str, float]:

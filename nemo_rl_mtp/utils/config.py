@@ -111,6 +111,9 @@ def validate_config(cfg: DictConfig) -> None:
             "context parallelism needs transformer_impl=transformer_engine and sequence_packing.enabled=true",
         )
     _validate_grpo(cfg)
+    checkpointing = cfg.checkpointing
+    _require(checkpointing.save_period >= 1, "checkpointing.save_period", checkpointing.save_period, "must be >= 1")
+    _require(checkpointing.keep_last >= 0, "checkpointing.keep_last", checkpointing.keep_last, "must be >= 0 (0: keep all)")
 
 
 def _validate_grpo(cfg: DictConfig) -> None:

@@ -132,6 +132,14 @@ class LoggerConfig:
 
 
 @dataclass
+class CheckpointingConfig:
+    enabled: bool
+    checkpoint_dir: Optional[str]
+    save_period: int
+    keep_last: int
+
+
+@dataclass
 class MasterConfig:
     grpo: GRPOConfig
     loss_fn: LossConfig
@@ -139,3 +147,4 @@ class MasterConfig:
     env: EnvConfig
     cluster: ClusterConfig
     logger: LoggerConfig
+    checkpointing: CheckpointingConfig

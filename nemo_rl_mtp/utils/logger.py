@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import OmegaConf
 
@@ -27,16 +28,28 @@ PROGRESS_FIELDS = (
 
 
 class Logger:
-    def __init__(self, logger_cfg, run_dir: Path, run_config, total_steps: int):
+    """``start_step`` > 0 continues a resumed run: the JSONL keeps its rows before that step (a
+    killed run may have logged past its last checkpoint), TensorBoard purges events from that step
+    on, and wandb resumes the run with id ``wandb_run_id``."""
+
+    def __init__(
+        self,
+        logger_cfg,
+        run_dir: Path,
+        run_config,
+        total_steps: int,
+        start_step: int = 0,
+        wandb_run_id: Optional[str] = None,
+    ):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(run_config, run_dir / "config.yaml")
-        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        self.jsonl = _jsonl_continuing_at(run_dir / "metrics.jsonl", start_step)
         self.tensorboard = None
         if logger_cfg.tensorboard_enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step or None)
         self.wandb_run = None
         if logger_cfg.wandb_enabled:
             import wandb
@@ -49,13 +62,19 @@ class Logger:
                 mode=mode,
                 config=OmegaConf.to_container(run_config, resolve=True),
                 settings=wandb.Settings(quiet=True),
+                id=wandb_run_id,
+                resume="allow" if wandb_run_id else None,
             )
             logger.info("wandb run %s (%s) in %s", run_dir.name, mode, run_dir / "wandb")
         self.progress = None
         if logger_cfg.console:
             from tqdm import tqdm
 
-            self.progress = tqdm(total=total_steps, desc="GRPO", unit="step", dynamic_ncols=True)
+            self.progress = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", dynamic_ncols=True)
+
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -102,6 +121,14 @@ def _reachable(host: str, port: int, timeout: float = 2.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def _jsonl_continuing_at(path: Path, start_step: int):
+    """The metrics file opened for appending, holding only its rows before ``start_step``."""
+    kept = [row for row in read_metrics(path) if row["step"] < start_step] if path.is_file() else []
+    with open(path, "w") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in kept)
+    return open(path, "a")
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -4,6 +4,7 @@ the work sent to them."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import ray
 import torch
@@ -92,6 +93,12 @@ class Policy:
     def train(self, batch: dict[str, torch.Tensor], loss_fn) -> dict[str, float]:
         """One optimizer step on a global batch; the metrics are already global."""
         return self._run_sharded("train", batch, loss_fn)[0]
+
+    def save_checkpoint(self, directory: Path) -> None:
+        ray.get([worker.save_checkpoint.remote(str(directory)) for worker in self.workers])
+
+    def load_checkpoint(self, directory: Path) -> None:
+        ray.get([worker.load_checkpoint.remote(str(directory)) for worker in self.workers])
 
     def shutdown(self) -> None:
         for worker in self.workers:

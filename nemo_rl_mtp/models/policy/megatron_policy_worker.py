@@ -85,6 +85,22 @@ class MegatronPolicyWorker:
         metrics.update(mtp_metrics)
         return metrics
 
+    def save_checkpoint(self, directory: str) -> None:
+        """This rank's part of a checkpoint (collective over all workers)."""
+        from pathlib import Path
+
+        from nemo_rl_mtp.models.megatron.checkpoint import save_policy
+
+        save_policy(self.policy, Path(directory))
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Weights, optimizer and RNG states from a checkpoint of any parallel layout (collective)."""
+        from pathlib import Path
+
+        from nemo_rl_mtp.models.megatron.checkpoint import load_policy
+
+        load_policy(self.policy, Path(directory))
+
     def _collect_mtp_metrics(self, num_microbatches: int) -> dict[str, float]:
         """Per-layer MTP loss and acceptance from the last pipeline stage, as ``mtp/...`` keys."""
         from megatron.core import parallel_state

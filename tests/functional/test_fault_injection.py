@@ -1,0 +1,151 @@
+"""Nothing lost: real GRPO driver processes killed with SIGKILL mid-run and mid-save, resumed
+from their run directory; runs that would mix are refused; a data-parallel-2 checkpoint resumes
+at data-parallel 1.
+
+Rollouts are greedy here so that every parallel layout samples the same tokens (sampled rollouts
+depend on the data-parallel layout); the MTP loss still trains policy trunk and heads, and the
+resumed runs are compared bit for bit, MTP and rollout metrics included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_rl_mtp.utils.logger import read_metrics
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SMALL = [
+    "grpo.num_prompts_per_step=8",
+    "grpo.num_generations_per_prompt=4",
+    "policy.train_global_batch_size=32",
+    "policy.train_micro_batch_size=8",
+    "logger.console=false",
+    "logger.tensorboard_enabled=false",
+    "logger.wandb_enabled=false",
+    "checkpointing.save_period=2",
+    "policy.generation.top_k=1",
+]
+STEPS = 4
+# Wall-clock dependent: not expected to agree between runs.
+TIMING_KEYS = ("timing/", "rollout/tokens_per_s")
+
+
+def _command(log_dir: Path, run_name: str, *overrides: str) -> list[str]:
+    return [
+        sys.executable, str(REPO_ROOT / "examples" / "run_grpo.py"), *SMALL, f"grpo.max_num_steps={STEPS}",
+        f"logger.log_dir={log_dir}", f"logger.run_name={run_name}", *overrides,
+    ]  # fmt: skip
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _kill_when(command: list[str], ready) -> None:
+    """Start the driver in its own process group and SIGKILL the group once ``ready()``."""
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ready():
+        assert process.poll() is None, "the run ended before the fault could be injected"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _comparable(rows: list[dict]) -> list[dict]:
+    return [{key: value for key, value in row.items() if not key.startswith(TIMING_KEYS)} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(log_dir) -> list[dict]:
+    completed = _run(_command(log_dir, "uninterrupted"))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return read_metrics(log_dir / "uninterrupted" / "metrics.jsonl")
+
+
+def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted):
+    metrics = log_dir / "killed" / "metrics.jsonl"
+    _kill_when(_command(log_dir, "killed"), lambda: metrics.is_file() and len(read_metrics(metrics)) >= STEPS - 1)
+    checkpoints = sorted(path.name for path in (log_dir / "killed" / "checkpoints").iterdir())
+    assert checkpoints and checkpoints[-1] < f"step_{STEPS:06d}"
+    resumed = _run(_command(log_dir, "killed"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stderr
+    rows = read_metrics(metrics)
+    assert [row["step"] for row in rows] == list(range(STEPS))
+    assert _comparable(rows) == _comparable(uninterrupted)  # MTP and rollout metrics included
+
+
+def test_kill_9_during_a_save_leaves_no_checkpoint_that_resume_would_take(log_dir, uninterrupted):
+    checkpoints = log_dir / "killed_saving" / "checkpoints"
+
+    def saving_the_final_checkpoint() -> bool:
+        return (checkpoints / f"step_{STEPS:06d}.partial").exists()
+
+    _kill_when(_command(log_dir, "killed_saving"), saving_the_final_checkpoint)
+    assert sorted(path.name for path in checkpoints.iterdir()) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}.partial"]
+    resumed = _run(_command(log_dir, "killed_saving"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _comparable(read_metrics(log_dir / "killed_saving" / "metrics.jsonl")) == _comparable(uninterrupted)
+    assert not [path for path in checkpoints.iterdir() if path.name.endswith(".partial")]
+    assert sorted(path.name for path in checkpoints.iterdir()) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"]
+
+
+def test_a_run_directory_without_checkpoint_is_refused_unless_overwritten(log_dir):
+    (log_dir / "earlier").mkdir()
+    (log_dir / "earlier" / "metrics.jsonl").write_text('{"step": 0}\n')
+    one_step = ["grpo.max_num_steps=1", "checkpointing.enabled=false"]
+    refused = _run(_command(log_dir, "earlier", *one_step))
+    assert refused.returncode == 2
+    assert "logger.run_name=earlier" in refused.stderr and "--overwrite" in refused.stderr
+    replaced = _run([*_command(log_dir, "earlier", *one_step), "--overwrite"])
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert [row["step"] for row in read_metrics(log_dir / "earlier" / "metrics.jsonl")] == [0]
+
+
+def test_a_data_parallel_two_checkpoint_resumes_at_data_parallel_one(log_dir, uninterrupted):
+    """A run saved by two workers (DP2) and resumed by one logs what a one-worker run logs from
+    the start: weights and optimizer state crossed the layout change (up to the float order of
+    the DP2 gradient reduction)."""
+    first_half = _run(_command(log_dir, "dp2_then_dp1", "grpo.max_num_steps=2", "cluster.workers_per_node=2"))
+    assert first_half.returncode == 0, first_half.stderr[-3000:]
+    second_half = _run(_command(log_dir, "dp2_then_dp1"))
+    assert second_half.returncode == 0, second_half.stderr[-3000:]
+    resumed = _comparable(read_metrics(log_dir / "dp2_then_dp1" / "metrics.jsonl"))
+    assert [row["step"] for row in resumed] == list(range(STEPS))
+    for row_expected, row_resumed in zip(_comparable(uninterrupted), resumed):
+        assert row_resumed.keys() == row_expected.keys()
+        for key, value in row_expected.items():
+            assert row_resumed[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (row_expected["step"], key)
+
+
+def test_checkpoints_hold_no_callables(log_dir, uninterrupted):
+    """NeMo-RL's caveat: ``mtp_grad_scale_func`` must never land in a saved config."""
+    from megatron.core import dist_checkpointing
+
+    latest = log_dir / "uninterrupted" / "checkpoints" / f"step_{STEPS:06d}"
+    common = dist_checkpointing.load_common_state_dict(str(latest / "policy"))
+
+    def callables(value):
+        if isinstance(value, dict):
+            return [found for item in value.values() for found in callables(item)]
+        if isinstance(value, (list, tuple)):
+            return [found for item in value for found in callables(item)]
+        return [value] if callable(value) and not isinstance(value, type) else []
+
+    assert callables(common) == []
+    assert "grad_scale_func" not in (log_dir / "uninterrupted" / "config.yaml").read_text()
