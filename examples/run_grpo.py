@@ -26,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from nemo_rl_mtp.algorithms.grpo import grpo_train
-
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)  # before the heavy imports: bad input fails in a second
+        from nemo_rl_mtp.algorithms.grpo import grpo_train
+
         # Checks the config against this machine and the run directory before any worker starts;
         # resumes from the run directory's latest checkpoint when it has one.
         history = grpo_train(cfg, overwrite=args.overwrite)

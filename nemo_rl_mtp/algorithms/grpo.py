@@ -9,7 +9,9 @@ workers themselves, so it always samples from the newest weights.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -73,6 +75,8 @@ def preflight_checks(cfg) -> None:
                 f"and this machine has {torch.cuda.device_count()}; run it on a GPU node, or join a GPU "
                 "cluster with cluster.address"
             )
+    _check_local_cpus(cluster)
+    _check_log_dir_writable(cfg.logger.log_dir)
     if cfg.policy.megatron_cfg.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
         raise ConfigError(
             "policy.megatron_cfg.transformer_impl=transformer_engine, but transformer_engine is not installed "
@@ -85,6 +89,31 @@ def preflight_checks(cfg) -> None:
         check_speculation_supported(cfg.policy.generation, cfg.policy.megatron_cfg)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _check_local_cpus(cluster) -> None:
+    """Without cluster.address the workers run here: refuse what this machine cannot place,
+    rather than letting Ray wait for resources that never come."""
+    if cluster.address is not None:
+        return
+    if cluster.num_nodes > 1:
+        raise ConfigError(f"cluster.num_nodes={cluster.num_nodes}: several nodes need cluster.address (a running Ray cluster)")
+    needed = cluster.workers_per_node * cluster.cpus_per_worker
+    available = os.cpu_count() or 1
+    if needed > available:
+        raise ConfigError(
+            f"cluster.workers_per_node={cluster.workers_per_node}: needs {needed} CPUs (x cluster.cpus_per_worker="
+            f"{cluster.cpus_per_worker}), this machine has {available}"
+        )
+
+
+def _check_log_dir_writable(log_dir: str) -> None:
+    try:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=log_dir):
+            pass
+    except OSError as error:
+        raise ConfigError(f"logger.log_dir={log_dir}: not writable ({error.strerror or error})") from None
 
 
 def grpo_train(cfg, overwrite: bool = False) -> list[dict[str, float]]:

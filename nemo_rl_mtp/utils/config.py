@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -30,6 +31,44 @@ _CHOICES = {
     "env.task": {"reverse", "sort", "count_up"},
     "logger.wandb.mode": {"auto", "online", "offline"},
     "cluster.gpus_per_worker": {0, 1},
+}
+
+
+# Allowed ranges of numeric keys, checked before any rule that divides by one of them:
+# key -> (lowest, whether the lowest is allowed, highest or None, whether the highest is allowed).
+_RANGES = {
+    "grpo.num_prompts_per_step": (1, True, None, False),
+    "grpo.num_generations_per_prompt": (2, True, None, False),
+    "grpo.max_num_steps": (1, True, None, False),
+    "loss_fn.ratio_clip_min": (0.0, True, 1.0, False),
+    "loss_fn.ratio_clip_max": (0.0, True, None, False),
+    "loss_fn.reference_policy_kl_penalty": (0.0, True, None, False),
+    "policy.train_global_batch_size": (1, True, None, False),
+    "policy.train_micro_batch_size": (1, True, None, False),
+    "policy.max_total_sequence_length": (2, True, None, False),
+    "policy.megatron_cfg.tensor_model_parallel_size": (1, True, None, False),
+    "policy.megatron_cfg.pipeline_model_parallel_size": (1, True, None, False),
+    "policy.megatron_cfg.context_parallel_size": (1, True, None, False),
+    "policy.megatron_cfg.num_layers": (1, True, None, False),
+    "policy.megatron_cfg.hidden_size": (1, True, None, False),
+    "policy.megatron_cfg.ffn_hidden_size": (1, True, None, False),
+    "policy.megatron_cfg.num_attention_heads": (1, True, None, False),
+    "policy.megatron_cfg.num_query_groups": (1, True, None, False),
+    "policy.megatron_cfg.rotary_base": (1, True, None, False),
+    "policy.megatron_cfg.mtp_num_layers": (0, True, None, False),
+    "policy.megatron_cfg.mtp_loss_scaling_factor": (0.0, True, None, False),
+    "policy.megatron_cfg.optimizer.lr": (0.0, False, None, False),
+    "policy.megatron_cfg.optimizer.weight_decay": (0.0, True, None, False),
+    "policy.megatron_cfg.optimizer.adam_beta1": (0.0, True, 1.0, False),
+    "policy.megatron_cfg.optimizer.adam_beta2": (0.0, True, 1.0, False),
+    "policy.megatron_cfg.optimizer.adam_eps": (0.0, False, None, False),
+    "policy.megatron_cfg.optimizer.clip_grad": (0.0, True, None, False),
+    "env.min_digits": (1, True, None, False),
+    "cluster.num_nodes": (1, True, None, False),
+    "cluster.workers_per_node": (1, True, None, False),
+    "cluster.cpus_per_worker": (1, True, None, False),
+    "checkpointing.save_period": (1, True, None, False),
+    "checkpointing.keep_last": (0, True, None, False),
 }
 
 
@@ -67,11 +106,11 @@ def validate_config(cfg: DictConfig) -> None:
             shown = sorted(str(choice) for choice in allowed)
             raise ConfigError(f"{key}={value!r} is not one of {shown}")
 
+    for key, bounds in _RANGES.items():
+        _require_in_range(key, OmegaConf.select(cfg, key), *bounds)
+
     policy = cfg.policy
     megatron = policy.megatron_cfg
-    _require(megatron.mtp_num_layers >= 0, "policy.megatron_cfg.mtp_num_layers", megatron.mtp_num_layers, "must be >= 0")
-    _require(megatron.mtp_loss_scaling_factor >= 0, "policy.megatron_cfg.mtp_loss_scaling_factor", megatron.mtp_loss_scaling_factor, "must be >= 0")
-    _require(policy.train_micro_batch_size > 0, "policy.train_micro_batch_size", policy.train_micro_batch_size, "must be > 0")
     _require(
         policy.train_global_batch_size % policy.train_micro_batch_size == 0,
         "policy.train_global_batch_size",
@@ -111,9 +150,6 @@ def validate_config(cfg: DictConfig) -> None:
             "context parallelism needs transformer_impl=transformer_engine and sequence_packing.enabled=true",
         )
     _validate_grpo(cfg)
-    checkpointing = cfg.checkpointing
-    _require(checkpointing.save_period >= 1, "checkpointing.save_period", checkpointing.save_period, "must be >= 1")
-    _require(checkpointing.keep_last >= 0, "checkpointing.keep_last", checkpointing.keep_last, "must be >= 0 (0: keep all)")
 
 
 def _validate_grpo(cfg: DictConfig) -> None:
@@ -123,7 +159,6 @@ def _validate_grpo(cfg: DictConfig) -> None:
     model_parallel = (
         megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size * megatron.context_parallel_size
     )
-    _require(world_size >= 1, "cluster.workers_per_node", cluster.workers_per_node, "need at least one worker")
     _require(
         world_size % model_parallel == 0,
         "cluster.workers_per_node",
@@ -132,8 +167,6 @@ def _validate_grpo(cfg: DictConfig) -> None:
     )
     data_parallel = world_size // model_parallel
     samples = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
-    _require(grpo.num_generations_per_prompt >= 2, "grpo.num_generations_per_prompt", grpo.num_generations_per_prompt, "group advantages need >= 2 samples per prompt")
-    _require(grpo.max_num_steps >= 1, "grpo.max_num_steps", grpo.max_num_steps, "must be >= 1")
     _require(
         samples % policy.train_global_batch_size == 0,
         "policy.train_global_batch_size",
@@ -152,7 +185,7 @@ def _validate_grpo(cfg: DictConfig) -> None:
         grpo.num_prompts_per_step,
         f"must split evenly over the {data_parallel} data-parallel ranks that generate",
     )
-    _require(1 <= env.min_digits <= env.max_digits, "env.min_digits", env.min_digits, f"must be in [1, env.max_digits={env.max_digits}]")
+    _require(env.min_digits <= env.max_digits, "env.min_digits", env.min_digits, f"must be <= env.max_digits={env.max_digits}")
     generation = policy.generation
     _require(generation.temperature > 0, "policy.generation.temperature", generation.temperature, "must be > 0")
     _require(0 < generation.top_p <= 1, "policy.generation.top_p", generation.top_p, "must be in (0, 1]")
@@ -191,6 +224,15 @@ def _validate_speculation(generation, megatron) -> None:
         _require(value is None or value > 0, f"policy.generation.engine.{key}", value, "must be > 0 or null")
 
 
+def _require_in_range(key: str, value, lowest, lowest_allowed: bool, highest, highest_allowed: bool) -> None:
+    above = value >= lowest if lowest_allowed else value > lowest
+    below = highest is None or (value <= highest if highest_allowed else value < highest)
+    if not (above and below):
+        opening, closing = "[" if lowest_allowed else "(", "]" if highest_allowed else ")"
+        shown = f"{opening}{lowest}, {'inf' if highest is None else highest}{closing}"
+        raise ConfigError(f"{key}={value!r}: must be in {shown}")
+
+
 def _require(condition: bool, key: str, value, reason: str) -> None:
     if not condition:
         raise ConfigError(f"{key}={value!r}: {reason}")
@@ -203,7 +245,12 @@ def _load_yaml_with_defaults(path: Path, _seen: tuple[Path, ...] = ()) -> DictCo
         raise ConfigError(f"config file not found: {path}")
     if path in _seen:
         raise ConfigError(f"defaults cycle: {' -> '.join(map(str, _seen + (path,)))}")
-    raw = OmegaConf.load(path)
+    try:
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{line}: {getattr(error, 'problem', None) or error}") from None
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"{path}: top level must be a mapping")
     parents = raw.pop("defaults", None)

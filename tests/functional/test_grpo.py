@@ -170,6 +170,8 @@ def test_plot_of_a_run(runs, tmp_path):
         (["policy.generation.num_speculative_tokens=-1"], "policy.generation.num_speculative_tokens=-1"),
         (["policy.megatron_cfg.mtp_num_layers=0", "policy.generation.num_speculative_tokens=1"], "mtp_num_layers > 0"),
         (["policy.megatron_cfg.mtp_num_layers=1", "policy.generation.num_speculative_tokens=2"], "at most 1 draft"),
+        (["cluster.cpus_per_worker=4096"], "cluster.workers_per_node=1: needs 4096 CPUs"),
+        (["logger.log_dir=/proc/nemo_rl_mtp_logs"], "logger.log_dir=/proc/nemo_rl_mtp_logs: not writable"),
     ],
 )
 def test_bad_config_is_rejected_before_any_worker(overrides, named, capsys):

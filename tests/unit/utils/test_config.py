@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from nemo_rl_mtp.utils.config import ConfigError, load_config
@@ -49,10 +51,24 @@ def test_recipe_inherits_through_defaults(tmp_path):
         ("policy.generation.top_k=1 policy.generation.top_p=0.9", "policy.generation.top_k"),
         ("policy.generation.engine.buffer_size_gb=0", "policy.generation.engine.buffer_size_gb"),
         ("policy.generation.engine.max_requests=0", "policy.generation.engine.max_requests"),
+        # Each would otherwise fail late, inside the workers, or be accepted silently.
+        ("policy.megatron_cfg.optimizer.lr=-1e-3", "policy.megatron_cfg.optimizer.lr=-0.001: must be in (0.0, inf)"),
+        ("grpo.num_prompts_per_step=0", "grpo.num_prompts_per_step=0: must be in [1, inf)"),
+        ("policy.megatron_cfg.num_attention_heads=0", "policy.megatron_cfg.num_attention_heads=0"),
+        ("policy.megatron_cfg.tensor_model_parallel_size=0", "policy.megatron_cfg.tensor_model_parallel_size=0"),
+        ("policy.train_global_batch_size=0", "policy.train_global_batch_size=0"),
+        ("policy.megatron_cfg.num_query_groups=0", "policy.megatron_cfg.num_query_groups=0"),
+        ("policy.megatron_cfg.optimizer.adam_beta1=1.5", "policy.megatron_cfg.optimizer.adam_beta1=1.5: must be in [0.0, 1.0)"),
+        ("policy.megatron_cfg.optimizer.clip_grad=-1", "policy.megatron_cfg.optimizer.clip_grad"),
+        ("policy.megatron_cfg.optimizer.weight_decay=-0.1", "policy.megatron_cfg.optimizer.weight_decay"),
+        ("loss_fn.ratio_clip_min=1.5", "loss_fn.ratio_clip_min=1.5: must be in [0.0, 1.0)"),
+        ("loss_fn.reference_policy_kl_penalty=-0.1", "loss_fn.reference_policy_kl_penalty"),
+        ("cluster.workers_per_node=0", "cluster.workers_per_node=0"),
+        ("checkpointing.save_period=0", "checkpointing.save_period=0"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(override, named):
-    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(named)):
         load_config(overrides=override.split())
 
 
@@ -71,3 +87,11 @@ def test_defaults_cycle_and_missing_file_are_errors(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
 
+
+
+def test_malformed_yaml_is_one_line_naming_file_and_line(tmp_path):
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("policy:\n  megatron_cfg:\n    mtp_num_layers: [1\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML \(line \d+\)") as error:
+        load_config(recipe)
+    assert "\n" not in str(error.value)
