@@ -10,6 +10,14 @@ from nemo_rl_mtp.data.synthetic import synthetic_rl_batch
 from nemo_rl_mtp.utils.config import load_config
 
 VOCAB_SIZE = 32
+# GRPO steps smaller than the default recipe's, to keep CI short: 8 prompts x 4 samples.
+SMALL_GRPO_STEP = [
+    "grpo.num_prompts_per_step=8",
+    "grpo.num_generations_per_prompt=4",
+    "policy.train_global_batch_size=32",
+    "policy.train_micro_batch_size=8",
+    "logger.console=false",
+]
 
 
 def free_port() -> int:

@@ -18,16 +18,13 @@ from pathlib import Path
 import pytest
 
 from nemo_rl_mtp.utils.logger import read_metrics
+from tests.helpers import SMALL_GRPO_STEP
 
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
-    "grpo.num_prompts_per_step=8",
-    "grpo.num_generations_per_prompt=4",
-    "policy.train_global_batch_size=32",
-    "policy.train_micro_batch_size=8",
-    "logger.console=false",
+    *SMALL_GRPO_STEP,
     "logger.tensorboard_enabled=false",
     "logger.wandb_enabled=false",
     "checkpointing.save_period=2",

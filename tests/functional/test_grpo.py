@@ -11,6 +11,7 @@ import pytest
 
 from nemo_rl_mtp.utils.logger import read_metrics
 from nemo_rl_mtp.utils.plot import plot_run
+from tests.helpers import SMALL_GRPO_STEP
 from tests.wandb_offline import offline_history
 
 pytestmark = pytest.mark.slow
@@ -20,14 +21,7 @@ _spec = importlib.util.spec_from_file_location("run_grpo", REPO_ROOT / "examples
 run_grpo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(run_grpo)
 
-# A smaller step than the default recipe, to keep CI short: 8 prompts x 4 samples.
-SMALL = [
-    "grpo.num_prompts_per_step=8",
-    "grpo.num_generations_per_prompt=4",
-    "policy.train_global_batch_size=32",
-    "policy.train_micro_batch_size=8",
-    "logger.console=false",
-]
+SMALL = SMALL_GRPO_STEP
 STEPS = 3
 # Wall-clock dependent: not expected to agree between runs.
 TIMING_KEYS = ("timing/", "rollout/tokens_per_s")
