@@ -69,6 +69,16 @@ _RANGES = {
     "cluster.cpus_per_worker": (1, True, None, False),
     "checkpointing.save_period": (1, True, None, False),
     "checkpointing.keep_last": (0, True, None, False),
+    "policy.generation.temperature": (0.0, False, None, False),
+    "policy.generation.top_p": (0.0, False, 1.0, True),
+    "policy.generation.top_k": (0, True, None, False),
+    "policy.generation.max_new_tokens": (1, True, None, False),
+    "policy.generation.num_speculative_tokens": (0, True, None, False),
+    "policy.generation.engine.block_size_tokens": (1, True, None, False),
+    "policy.generation.engine.buffer_size_gb": (0.0, False, None, False),
+    # null: megatron sizes them.
+    "policy.generation.engine.max_requests": (1, True, None, False),
+    "policy.generation.engine.max_tokens": (1, True, None, False),
 }
 
 
@@ -187,10 +197,6 @@ def _validate_grpo(cfg: DictConfig) -> None:
     )
     _require(env.min_digits <= env.max_digits, "env.min_digits", env.min_digits, f"must be <= env.max_digits={env.max_digits}")
     generation = policy.generation
-    _require(generation.temperature > 0, "policy.generation.temperature", generation.temperature, "must be > 0")
-    _require(0 < generation.top_p <= 1, "policy.generation.top_p", generation.top_p, "must be in (0, 1]")
-    _require(generation.max_new_tokens >= 1, "policy.generation.max_new_tokens", generation.max_new_tokens, "must be >= 1")
-    _require(generation.top_k >= 0, "policy.generation.top_k", generation.top_k, "must be >= 0 (0: off)")
     _require(
         generation.top_k == 0 or generation.top_p == 1.0,
         "policy.generation.top_k",
@@ -209,22 +215,17 @@ def _validate_grpo(cfg: DictConfig) -> None:
 
 def _validate_speculation(generation, megatron) -> None:
     k = generation.num_speculative_tokens
-    _require(k >= 0, "policy.generation.num_speculative_tokens", k, "must be >= 0 (0: no speculation)")
     _require(
         k == 0 or megatron.mtp_num_layers > 0,
         "policy.generation.num_speculative_tokens",
         k,
         "speculation drafts with the MTP heads; set policy.megatron_cfg.mtp_num_layers > 0",
     )
-    engine = generation.engine
-    _require(engine.block_size_tokens > 0, "policy.generation.engine.block_size_tokens", engine.block_size_tokens, "must be > 0")
-    _require(engine.buffer_size_gb > 0, "policy.generation.engine.buffer_size_gb", engine.buffer_size_gb, "must be > 0")
-    for key in ("max_requests", "max_tokens"):
-        value = engine[key]
-        _require(value is None or value > 0, f"policy.generation.engine.{key}", value, "must be > 0 or null")
 
 
 def _require_in_range(key: str, value, lowest, lowest_allowed: bool, highest, highest_allowed: bool) -> None:
+    if value is None:  # an optional key left unset
+        return
     above = value >= lowest if lowest_allowed else value > lowest
     below = highest is None or (value <= highest if highest_allowed else value < highest)
     if not (above and below):
