@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from nemo_rl_mtp.utils.config import ConfigError, load_config
+from nemo_rl_mtp.utils.console import EXIT_CONFIG_ERROR, EXIT_ERROR, interrupt_exit_status, one_line, interrupt_once_on_signals
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent / "configs" / "grpo_mtp_tiny_cpu.yaml"
 
@@ -24,25 +25,62 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing run directory of the same logger.run_name"
     )
+    parser.add_argument("--verbose", action="store_true", help="debug logging, and full tracebacks on errors")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    interrupt_once_on_signals()
+    cfg = None
     try:
         cfg = load_config(args.config, args.overrides)  # before the heavy imports: bad input fails in a second
-        from nemo_rl_mtp.algorithms.grpo import grpo_train
+        from nemo_rl_mtp.algorithms.grpo import grpo_train, with_run_name
 
+        cfg = with_run_name(cfg)
         # Checks the config against this machine and the run directory before any worker starts;
         # resumes from the run directory's latest checkpoint when it has one.
         history = grpo_train(cfg, overwrite=args.overwrite)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt as interrupt:
+        print(f"interrupted: {resume_hint(cfg)}", file=sys.stderr)
+        return interrupt_exit_status(interrupt)
+    except Exception as error:
+        if args.verbose:
+            raise
+        print(f"error: {one_line(error)} (--verbose shows the traceback)", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        stop_ray()
+    print_summary(history)
+    return 0
+
+
+def resume_hint(cfg) -> str:
+    """Where an interrupted run can continue from, and the command line that continues it."""
+    if cfg is None or cfg.logger.run_name is None:
+        return "the run had not started"
+    from nemo_rl_mtp.algorithms.grpo import latest_checkpoint
+
+    latest = latest_checkpoint(cfg)
+    if latest is None:
+        return f"no checkpoint of run {cfg.logger.run_name} yet (checkpointing.enabled={cfg.checkpointing.enabled})"
+    return f"run again with logger.run_name={cfg.logger.run_name} to resume from {latest}"
+
+
+def stop_ray() -> None:
+    if "ray" in sys.modules:  # a config error stops before Ray is imported
+        from nemo_rl_mtp.distributed.ray_cluster import shutdown_ray
+
+        shutdown_ray()
+
+
+def print_summary(history: list[dict[str, float]]) -> None:
     first, last = history[0], history[-1]
     print(f"reward: {first['train/reward']:.3f} -> {last['train/reward']:.3f} over {len(history)} steps")
     for key in sorted(k for k in last if k.endswith("acceptance_rate")):
         print(f"{key}: {first[key]:.1f}% -> {last[key]:.1f}%")
     if "rollout/tokens_per_decode_step" in last:
         print(f"rollout/tokens_per_decode_step: {first['rollout/tokens_per_decode_step']:.2f} -> {last['rollout/tokens_per_decode_step']:.2f}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ workers themselves, so it always samples from the newest weights.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from omegaconf import read_write
 
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
@@ -25,6 +27,7 @@ from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
 from nemo_rl_mtp.models.generation.speculation import check_speculation_supported, speculation_metrics
 from nemo_rl_mtp.utils.checkpoint import CheckpointDirectory
 from nemo_rl_mtp.utils.config import ConfigError
+from nemo_rl_mtp.utils.config_schema import LoggerConfig, MasterConfig
 from nemo_rl_mtp.utils.logger import Logger, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -54,12 +57,22 @@ def build_train_batch(generation: dict[str, torch.Tensor], advantages: torch.Ten
     }
 
 
-def run_directory(logger_cfg) -> Path:
-    name = logger_cfg.run_name or datetime.now().strftime("grpo-%Y%m%d-%H%M%S")
-    return Path(logger_cfg.log_dir) / name
+def with_run_name(cfg: MasterConfig) -> MasterConfig:
+    """``cfg`` with ``logger.run_name`` filled in (grpo-<date>-<time> when null), so that the
+    saved config.yaml, the resume hint and a resumed run all name the same directory."""
+    if cfg.logger.run_name is not None:
+        return cfg
+    named = copy.deepcopy(cfg)
+    with read_write(named):
+        named.logger.run_name = datetime.now().strftime("grpo-%Y%m%d-%H%M%S")
+    return named
 
 
-def preflight_checks(cfg) -> None:
+def run_directory(logger_cfg: LoggerConfig) -> Path:
+    return Path(logger_cfg.log_dir) / logger_cfg.run_name
+
+
+def preflight_checks(cfg: MasterConfig) -> None:
     """What the config needs from this machine, checked before any worker starts; raises
     ConfigError."""
     import importlib.util
@@ -116,12 +129,13 @@ def _check_log_dir_writable(log_dir: str) -> None:
         raise ConfigError(f"logger.log_dir={log_dir}: not writable ({error.strerror or error})") from None
 
 
-def grpo_train(cfg, overwrite: bool = False) -> list[dict[str, float]]:
+def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, float]]:
     """Run GRPO as configured, resuming from the run directory's latest complete checkpoint if it
     has one; returns the logged metrics of every step (earlier ones read back on a resume).
     ``overwrite`` replaces an existing run directory instead of refusing it."""
     from nemo_rl_mtp.models.policy.lm_policy import Policy
 
+    cfg = with_run_name(cfg)
     preflight_checks(cfg)
     run_dir = run_directory(cfg.logger)
     checkpoints = CheckpointDirectory(checkpoint_root(cfg, run_dir), cfg.checkpointing.keep_last)
@@ -161,8 +175,14 @@ def grpo_train(cfg, overwrite: bool = False) -> list[dict[str, float]]:
 TRAINER_STATE = "trainer_state.pt"
 
 
-def checkpoint_root(cfg, run_dir: Path) -> Path:
+def checkpoint_root(cfg: MasterConfig, run_dir: Path) -> Path:
     return Path(cfg.checkpointing.checkpoint_dir) if cfg.checkpointing.checkpoint_dir else run_dir / "checkpoints"
+
+
+def latest_checkpoint(cfg: MasterConfig) -> Optional[Path]:
+    """The newest complete checkpoint of the run ``cfg`` names (run name filled in), if any."""
+    root = checkpoint_root(cfg, run_directory(cfg.logger))
+    return CheckpointDirectory(root, cfg.checkpointing.keep_last).latest()
 
 
 def prepare_run_directory(run_dir: Path, checkpoints: CheckpointDirectory, overwrite: bool) -> Optional[Path]:
@@ -202,7 +222,7 @@ def save_checkpoint(checkpoints: CheckpointDirectory, steps_done: int, policy, p
     return path
 
 
-def grpo_step(cfg, step, policy, env, tokenizer, loss_fn, prompt_generator) -> dict[str, float]:
+def grpo_step(cfg: MasterConfig, step: int, policy, env, tokenizer, loss_fn, prompt_generator) -> dict[str, float]:
     grpo = cfg.grpo
     group_size = grpo.num_generations_per_prompt
     timings = {}

@@ -211,6 +211,20 @@ def _validate_grpo(cfg: DictConfig) -> None:
         policy.max_total_sequence_length,
         f"too short for the longest prompt ({longest_prompt} tokens) plus max_new_tokens={generation.max_new_tokens}",
     )
+    _validate_mtp_depth(megatron.mtp_num_layers, longest_prompt + generation.max_new_tokens)
+
+
+def _validate_mtp_depth(mtp_num_layers: int, longest_sequence: int) -> None:
+    """MTP depth k at position t predicts the token k + 1 places ahead, so it has a target only
+    where a response token sits at a position p >= k; p is at most longest_sequence - 2."""
+    deepest = longest_sequence - 2
+    _require(
+        mtp_num_layers <= deepest,
+        "policy.megatron_cfg.mtp_num_layers",
+        mtp_num_layers,
+        f"sequences here are at most {longest_sequence} tokens (longest prompt + max_new_tokens), so MTP layers "
+        f"{deepest + 1}-{mtp_num_layers} would never get a target; use at most {deepest}",
+    )
 
 
 def _validate_speculation(generation, megatron) -> None:

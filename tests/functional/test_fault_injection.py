@@ -1,6 +1,6 @@
 """Nothing lost: real GRPO driver processes killed with SIGKILL mid-run and mid-save, resumed
-from their run directory; runs that would mix are refused; a data-parallel-2 checkpoint resumes
-at data-parallel 1.
+from their run directory; Ctrl-C and SIGTERM end a run in one line, with every Ray process gone;
+runs that would mix are refused; a data-parallel-2 checkpoint resumes at data-parallel 1.
 
 Rollouts are greedy here so that every parallel layout samples the same tokens (sampled rollouts
 depend on the data-parallel layout); the MTP loss still trains policy trunk and heads, and the
@@ -9,6 +9,7 @@ resumed runs are compared bit for bit, MTP and rollout metrics included."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,32 @@ def _kill_when(command: list[str], ready) -> None:
     process.wait()
 
 
+def _signal_when(command: list[str], ready, send) -> tuple[subprocess.CompletedProcess, list]:
+    """Start the driver in its own process group, call ``send(process)`` once ``ready()``; returns
+    the completed process and the driver's descendants (Ray's processes) still alive
+    ``RAY_EXIT_GRACE_S`` after it exited."""
+    import psutil
+
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ready():
+        assert process.poll() is None, "the run ended before the signal could be sent"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    descendants = psutil.Process(process.pid).children(recursive=True)
+    send(process)
+    stdout, stderr = process.communicate(timeout=120)
+    _, alive = psutil.wait_procs(descendants, timeout=RAY_EXIT_GRACE_S)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), alive
+
+
+RAY_EXIT_GRACE_S = 10
+
+
+def _checkpointed(run_dir: Path, steps: int):
+    return lambda: (run_dir / "checkpoints" / f"step_{steps:06d}").is_dir()
+
+
 def _comparable(rows: list[dict]) -> list[dict]:
     return [{key: value for key, value in row.items() if not key.startswith(TIMING_KEYS)} for row in rows]
 
@@ -100,6 +127,39 @@ def test_kill_9_during_a_save_leaves_no_checkpoint_that_resume_would_take(log_di
     assert _comparable(read_metrics(log_dir / "killed_saving" / "metrics.jsonl")) == _comparable(uninterrupted)
     assert not [path for path in checkpoints.iterdir() if path.name.endswith(".partial")]
     assert sorted(path.name for path in checkpoints.iterdir()) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"]
+
+
+def test_ctrl_c_exits_130_in_one_line_and_the_same_command_resumes_losing_nothing(log_dir, uninterrupted):
+    """Ctrl-C as a terminal sends it: SIGINT to the driver's whole process group."""
+    command = _command(log_dir, "ctrl_c")
+    interrupted, alive = _signal_when(
+        command, _checkpointed(log_dir / "ctrl_c", 2), lambda process: os.killpg(process.pid, signal.SIGINT)
+    )
+    assert interrupted.returncode == 130, interrupted.stderr[-3000:]
+    assert "Traceback" not in interrupted.stderr
+    last_line = interrupted.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("interrupted: run again with logger.run_name=ctrl_c to resume from")
+    assert alive == []
+    resumed = _run(command)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _comparable(read_metrics(log_dir / "ctrl_c" / "metrics.jsonl")) == _comparable(uninterrupted)
+
+
+@pytest.mark.skipif(shutil.which("uv") is None, reason="needs uv on PATH (CI runs the suite through uv)")
+def test_under_uv_run_workers_use_the_driver_environment_and_sigterm_exits_143_in_one_line(log_dir):
+    """Launched as the README says (``uv run``, no sync, so the suite's environment is left as is):
+    no per-run virtual environment is built for the workers; SIGTERM to uv alone (``kill``, a
+    container stop), which uv forwards, ends the run in the same orderly way as Ctrl-C."""
+    command = ["uv", "run", "--no-sync", *_command(log_dir, "sigterm", "grpo.max_num_steps=1000")[1:]]
+    terminated, alive = _signal_when(
+        command, _checkpointed(log_dir / "sigterm", 2), lambda process: process.send_signal(signal.SIGTERM)
+    )
+    assert terminated.returncode == 143, terminated.stderr[-3000:]
+    assert "Traceback" not in terminated.stderr and "SIGTERM received" not in terminated.stderr
+    assert terminated.stderr.strip().splitlines()[-1].startswith("interrupted: run again with logger.run_name=sigterm")
+    assert alive == []
+    assert "Ray workers start from this interpreter" in terminated.stderr
+    assert "Creating virtual environment" not in terminated.stderr  # uv's line when Ray's uv hook builds one
 
 
 def test_a_run_directory_without_checkpoint_is_refused_unless_overwritten(log_dir):

@@ -9,8 +9,9 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 
 def get_mtp_metrics(num_microbatches: int) -> dict[str, float]:
-    """Per MTP layer (1-indexed): ``mtp_{i}_loss`` and ``mtp_{i}_acceptance_rate``; then clears the
-    tracker. ``{}`` when the tracker is empty (no MTP loss was computed this step).
+    """Per MTP layer (1-indexed): ``mtp_{i}_loss``, ``mtp_{i}_acceptance_rate`` and
+    ``mtp_{i}_target_tokens`` (masked positions the layer predicted); then clears the tracker.
+    ``{}`` when the tracker is empty (no MTP loss was computed this step).
 
     The loss is megatron's per-microbatch token mean, averaged over microbatches and over the
     data-parallel x context-parallel ranks; acceptance is correct / total top-1 predictions of the
@@ -22,13 +23,14 @@ def get_mtp_metrics(num_microbatches: int) -> dict[str, float]:
     MTPLossLoggingHelper.reduce_metrics_in_tracker()
     losses = tracker["loss_values"] / num_microbatches
     acceptance = tracker["correct_values"] / tracker["total_values"].clamp(min=1) * 100.0
-    losses, acceptance = torch.stack([losses, acceptance]).tolist()  # one host sync
+    losses, acceptance, targets = torch.stack([losses, acceptance, tracker["total_values"]]).tolist()  # one host sync
     # Drop the keys rather than zero them, so a later step that computes no MTP loss shows as {}.
     tracker.clear()
     metrics = {}
-    for layer, (loss, rate) in enumerate(zip(losses, acceptance), start=1):
+    for layer, (loss, rate, count) in enumerate(zip(losses, acceptance, targets), start=1):
         metrics[f"mtp_{layer}_loss"] = loss
         metrics[f"mtp_{layer}_acceptance_rate"] = rate
+        metrics[f"mtp_{layer}_target_tokens"] = count
     return metrics
 
 

@@ -9,7 +9,14 @@ from pathlib import Path
 import ray
 import torch
 
-from nemo_rl_mtp.distributed.ray_cluster import in_bundle, init_ray, rendezvous_address, reserve_workers, world_size
+from nemo_rl_mtp.distributed.ray_cluster import (
+    in_bundle,
+    init_ray,
+    local_ray_processes_alive,
+    rendezvous_address,
+    reserve_workers,
+    world_size,
+)
 from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorker
 
 logger = logging.getLogger(__name__)
@@ -18,6 +25,7 @@ logger = logging.getLogger(__name__)
 # decode steps come from the rank that needed most (ranks step in parallel), counts are summed.
 ROLLOUT_KEYS = ("tokens", "lengths", "prompt_lengths", "logprobs")
 PARALLEL_KEYS = ("decode_steps",)
+WORKER_EXIT_TIMEOUT_S = 5
 
 
 class Policy:
@@ -101,10 +109,17 @@ class Policy:
         ray.get([worker.load_checkpoint.remote(str(directory)) for worker in self.workers])
 
     def shutdown(self) -> None:
-        for worker in self.workers:
-            ray.kill(worker)
+        """Let the workers exit on their own (a forced kill makes each print a stack dump), force
+        those that do not within a few seconds, and release their placement group."""
         from ray.util.placement_group import remove_placement_group
 
+        if not local_ray_processes_alive():
+            logger.warning("Ray's processes are gone (signalled with this driver); nothing to release")
+            return
+        exits = [worker.__ray_terminate__.remote() for worker in self.workers]
+        ray.wait(exits, num_returns=len(exits), timeout=WORKER_EXIT_TIMEOUT_S)
+        for worker in self.workers:
+            ray.kill(worker)
         remove_placement_group(self.placement_group)
 
 

@@ -177,6 +177,19 @@ def test_guard_fails_loudly_naming_the_release():
     compat.assert_mtp_trained(config, {"mtp_1_loss": 1.0}, mtp_grad_norm=0.0, global_valid_tokens=10)
 
 
+def test_guard_names_the_layers_that_got_no_target_in_a_real_step(caplog):
+    """Prompts of 2 tokens, responses of 1-3: response tokens sit at positions 2-4, and depth k
+    predicts position q from position q - k - 1 >= 0, so depths 1-3 see 7, 3 and 1 of the 7
+    response tokens and depth 4 none (counted here from the layout, not by the code)."""
+    worker = MegatronPolicyWorker.__new__(MegatronPolicyWorker)
+    worker.policy, worker.policy_cfg = make_policy(megatron_cfg__mtp_num_layers=4, train_micro_batch_size=2, train_global_batch_size=4)
+    batch = make_batch([1, 2, 3, 1], prompt_length=2)
+    with caplog.at_level(logging.WARNING, logger=compat.__name__):
+        metrics = worker.train(batch, PG_LOSS)
+    assert [metrics[f"mtp/mtp_{depth}_target_tokens"] for depth in (1, 2, 3, 4)] == [7, 3, 1, 0]
+    assert "MTP layers [4] got no targets" in caplog.text
+
+
 def test_worker_step_passes_the_guard_with_the_shims():
     """The worker's train step (with the guard) on this release: MTP trains, metrics present."""
     worker = MegatronPolicyWorker.__new__(MegatronPolicyWorker)

@@ -35,8 +35,10 @@ def test_per_layer_metrics_from_known_tracker_contents():
         {
             "mtp_1_loss": 3.0,
             "mtp_1_acceptance_rate": 40.0,
+            "mtp_1_target_tokens": 20.0,
             "mtp_2_loss": 4.0,
             "mtp_2_acceptance_rate": 5.0,
+            "mtp_2_target_tokens": 20.0,
         }
     )
     assert MTPLossLoggingHelper.tracker == {}
@@ -51,4 +53,4 @@ def test_empty_tracker_gives_no_metrics():
 def test_zero_total_gives_zero_acceptance_not_nan():
     MTPLossLoggingHelper.tracker.clear()
     _save(0, 1, loss=0.0, correct=0, total=0)
-    assert get_mtp_metrics(num_microbatches=1) == {"mtp_1_loss": 0.0, "mtp_1_acceptance_rate": 0.0}
+    assert get_mtp_metrics(num_microbatches=1) == {"mtp_1_loss": 0.0, "mtp_1_acceptance_rate": 0.0, "mtp_1_target_tokens": 0.0}
