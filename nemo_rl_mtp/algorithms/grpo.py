@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import read_write
+from omegaconf import OmegaConf, read_write
 
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
@@ -140,6 +140,8 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
     run_dir = run_directory(cfg.logger)
     checkpoints = CheckpointDirectory(checkpoint_root(cfg, run_dir), cfg.checkpointing.keep_last)
     resume_from = prepare_run_directory(run_dir, checkpoints, overwrite)
+    if resume_from is not None:
+        check_resumable_config(run_dir / "config.yaml", cfg)
     tokenizer = DigitTokenizer()
     env = DigitTaskEnvironment(cfg.env, tokenizer)
     loss_fn = ClippedPGLossFn(
@@ -203,6 +205,54 @@ def prepare_run_directory(run_dir: Path, checkpoints: CheckpointDirectory, overw
             "from; choose another logger.run_name, or pass --overwrite to replace it"
         )
     return None
+
+
+# What a resumed run may change: its length, where and how it runs and logs, and the parallel
+# layout (checkpoints are sharded). Any other change would continue a different run.
+RESUMABLE_CHANGES = (
+    "grpo.max_num_steps",
+    "cluster.",
+    "logger.",
+    "checkpointing.",
+    "policy.generation.engine.",
+    "policy.train_micro_batch_size",
+    "policy.megatron_cfg.tensor_model_parallel_size",
+    "policy.megatron_cfg.pipeline_model_parallel_size",
+    "policy.megatron_cfg.context_parallel_size",
+    "policy.megatron_cfg.sequence_parallel",
+    "policy.megatron_cfg.recompute_",
+)
+
+
+def check_resumable_config(saved_config: Path, cfg: MasterConfig) -> None:
+    """Refuse to resume a run with settings it was not started with (other than
+    ``RESUMABLE_CHANGES``), naming each key with its saved and its new value."""
+    if not saved_config.is_file():
+        return
+    saved, now = _leaves(OmegaConf.load(saved_config)), _leaves(cfg)
+    changed = [
+        f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"
+        for key in sorted(saved.keys() | now.keys())
+        if saved.get(key) != now.get(key) and not key.startswith(RESUMABLE_CHANGES)
+    ]
+    if changed:
+        raise ConfigError(
+            f"logger.run_name={cfg.logger.run_name}: resuming with settings the run did not start with "
+            f"({'; '.join(changed)}); resume with its saved {saved_config}, choose another logger.run_name, "
+            "or pass --overwrite to start afresh"
+        )
+
+
+def _leaves(config) -> dict:
+    """Dotted key -> value of every leaf of a config."""
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield from walk(value, f"{prefix}{key}.")
+        else:
+            yield prefix[:-1], node
+
+    return dict(walk(OmegaConf.to_container(config, resolve=True), ""))
 
 
 def _checkpoint_due(checkpointing_cfg, steps_done: int, max_num_steps: int) -> bool:

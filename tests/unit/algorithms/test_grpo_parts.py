@@ -58,3 +58,17 @@ def test_clipping_and_kl_penalty():
     assert loss.item() == pytest.approx(-1.2 + 0.5 * kl.item(), rel=1e-5)
     assert metrics["clip_fraction"].item() == 1.0
     assert metrics["kl"].item() == pytest.approx(kl.item(), rel=1e-5)
+
+
+def test_a_resume_may_change_length_and_layout_but_not_what_is_trained(tmp_path):
+    from omegaconf import OmegaConf
+
+    from nemo_rl_mtp.algorithms.grpo import check_resumable_config
+    from nemo_rl_mtp.utils.config import ConfigError, load_config
+
+    saved = tmp_path / "config.yaml"
+    OmegaConf.save(load_config(overrides=["logger.run_name=run"]), saved)
+    check_resumable_config(saved, load_config(overrides=["logger.run_name=run", "grpo.max_num_steps=300", "cluster.workers_per_node=2"]))
+    changed = load_config(overrides=["logger.run_name=run", "policy.megatron_cfg.optimizer.lr=2e-3", "env.task=sort"])
+    with pytest.raises(ConfigError, match=r"env\.task: 'reverse' -> 'sort'; policy\.megatron_cfg\.optimizer\.lr: 0\.001 -> 0\.002\)"):
+        check_resumable_config(saved, changed)
