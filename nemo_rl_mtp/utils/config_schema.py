@@ -70,6 +70,7 @@ class GenerationConfig:
     top_k: int
     max_new_tokens: int
     num_speculative_tokens: int
+    spec_verification: str
     engine: InferenceEngineConfig
 
 

@@ -87,6 +87,8 @@ def build_engine(model, policy_cfg: PolicyConfig):
     from megatron.core.inference.utils import InferenceMode
 
     cpu_inference_runtime.install()
+    from nemo_rl_mtp.models.generation.spec_verification import RejectionSamplingController
+
     sizing = policy_cfg.generation.engine
     inference_config = InferenceConfig(
         block_size_tokens=sizing.block_size_tokens,
@@ -98,7 +100,10 @@ def build_engine(model, policy_cfg: PolicyConfig):
     )
     with cpu_runtime.device_scope():
         context = DynamicInferenceContext(model.config, inference_config)
-        controller = TextGenerationController(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
+        controller_class = TextGenerationController
+        if policy_cfg.generation.spec_verification == "rejection_sampling":
+            controller_class = RejectionSamplingController
+        controller = controller_class(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
         engine = DynamicInferenceEngine(controller=controller, context=context)
     InferenceMode.unset_active()
     return engine

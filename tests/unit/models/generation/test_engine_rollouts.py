@@ -155,36 +155,78 @@ def _chi_square_quantile(degrees_of_freedom: int, z: float) -> float:
     return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
 
 
-@pytest.mark.slow
-def test_speculative_sampling_draws_the_same_token_distribution_as_plain_sampling():
-    """Temperature 1, heads trained until drafts are often accepted: per response position, the
-    tokens drawn with k=2 and with k=0 come from one distribution (two-sample chi-square test at
-    significance 1e-3; the threshold follows from the number of token classes observed). Control:
-    the same test tells temperature 0.6 from temperature 1."""
-    sizes = {"generation__max_new_tokens": 5, "train_micro_batch_size": 64, "train_global_batch_size": 64, "megatron_cfg__optimizer__lr": 3e-3}
-    policy, cfg, speculating = _policy(2, **sizes)
+SIZES = {"generation__max_new_tokens": 5, "train_micro_batch_size": 64, "train_global_batch_size": 64, "megatron_cfg__optimizer__lr": 3e-3}
+SAME_PROMPT = [TOKENIZER.encode_prompt([3, 7])] * 400
+
+
+@pytest.fixture(scope="module")
+def trained_policy(megatron_world):
+    """A policy whose heads were trained (imitation of count_up) until drafts are often right."""
+    policy, cfg = make_policy(**_overrides(2, **SIZES))
     generator = torch.Generator().manual_seed(0)
     for _ in range(40):
         lengths = torch.randint(2, 4, (64,), generator=generator)
         digits = [torch.randint(0, 10, (int(n),), generator=generator).tolist() for n in lengths]
         imitation_step(policy, task_demonstrations("count_up", digits, TOKENIZER), cfg)
-    plain = RolloutEngine(policy, tiny_config(**_overrides(0, **sizes)).policy)
-    colder = RolloutEngine(policy, tiny_config(**_overrides(0, generation__temperature=0.6, **sizes)).policy)
-    prompts = [TOKENIZER.encode_prompt([3, 7])] * 400
-    with_drafts = _generate(speculating, prompts, seed=11)
+    return policy
+
+
+def _engine(policy, k: int, **overrides) -> RolloutEngine:
+    return RolloutEngine(policy, tiny_config(**_overrides(k, **SIZES, **overrides)).policy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "verification, k, top_p",
+    [("rejection_sampling", 2, 1.0), ("rejection_sampling", 1, 0.98), ("exact_match", 2, 1.0)],
+)
+def test_speculative_sampling_draws_the_same_token_distribution_as_plain_sampling(trained_policy, verification, k, top_p):
+    """Temperature 1, heads trained until drafts are often accepted: per response position, the
+    tokens drawn with k drafts and with none come from one distribution (two-sample chi-square
+    test at significance 1e-3; the threshold follows from the number of token classes observed).
+    Control: the same test tells temperature 0.6 from temperature 1."""
+    speculating = _engine(trained_policy, k, generation__spec_verification=verification, generation__top_p=top_p)
+    plain = _engine(trained_policy, 0, generation__top_p=top_p)
+    colder = _engine(trained_policy, 0, generation__top_p=top_p, generation__temperature=0.6)
+    with_drafts = _generate(speculating, SAME_PROMPT, seed=11)
     acceptance = speculation_metrics(with_drafts)["rollout/draft_1_acceptance_rate"]
     assert acceptance > 30, f"{acceptance:.0f}% of drafts accepted: too few for the test to bite"
     same, different = [], []
     for position in range(4):
         drafted = _token_counts(with_drafts, position)
-        same.append(_chi_square_test(drafted, _token_counts(_generate(plain, prompts, seed=12), position)))
-        different.append(_chi_square_test(drafted, _token_counts(_generate(colder, prompts, seed=13), position)))
-    print(f"draft 1 acceptance {acceptance:.0f}%; k=2 vs k=0: {same}; vs temperature 0.6: {different}")
+        same.append(_chi_square_test(drafted, _token_counts(_generate(plain, SAME_PROMPT, seed=12), position)))
+        different.append(_chi_square_test(drafted, _token_counts(_generate(colder, SAME_PROMPT, seed=13), position)))
+    print(f"draft 1 acceptance {acceptance:.0f}%; k={k} vs k=0: {same}; vs temperature 0.6: {different}")
     assert all(passed for passed, _ in same), same
     assert not all(passed for passed, _ in different), different
 
 
+@pytest.mark.slow
+def test_rejection_sampling_accepts_more_drafts_than_exact_match_at_temperature_one(trained_policy):
+    """Same heads, same prompts: acceptance sum min(p, q) against sum p q. The gap must exceed four
+    standard errors of the difference of two proportions over the drafts proposed."""
+    rates = {}
+    for verification in ("exact_match", "rejection_sampling"):
+        rollouts = _generate(_engine(trained_policy, 1, generation__spec_verification=verification), SAME_PROMPT * 2, seed=21)
+        rates[verification] = (rollouts["draft_accepted"][0] / rollouts["draft_proposed"][0]).item(), rollouts["draft_proposed"][0].item()
+    (exact, n_exact), (rejection, n_rejection) = rates["exact_match"], rates["rejection_sampling"]
+    standard_error = math.sqrt(exact * (1 - exact) / n_exact + rejection * (1 - rejection) / n_rejection)
+    print(f"draft acceptance: exact match {exact:.3f} ({n_exact:.0f} drafts), rejection sampling {rejection:.3f} ({n_rejection:.0f})")
+    assert rejection - exact > 4 * standard_error
+
+
+@pytest.mark.slow
+def test_rejection_sampling_rollout_logprobs_are_the_policys(trained_policy):
+    """Not the drafts': the training pass over the same tokens gives the same log-probs."""
+    cfg = tiny_config(**_overrides(2, **SIZES, generation__temperature=0.8)).policy
+    rollouts = _generate(RolloutEngine(trained_policy, cfg), SAME_PROMPT[:64], seed=4)
+    assert rollouts["draft_accepted"].sum() > 0
+    mask, batch = _training_batch(rollouts)
+    training = compute_logprobs(trained_policy, batch, cfg)
+    torch.testing.assert_close(rollouts["logprobs"][mask], training[mask], rtol=0, atol=1e-5)
+
+
 def _chi_square_test(first: torch.Tensor, second: torch.Tensor) -> tuple[bool, str]:
     statistic, dof = _chi_square_homogeneity(first, second)
-    threshold = _chi_square_quantile(dof, z=3.09) if dof else math.inf
+    threshold = _chi_square_quantile(dof, z=3.09) if dof > 0 else math.inf
     return statistic < threshold, f"chi2={statistic:.1f} dof={dof} threshold={threshold:.1f}"

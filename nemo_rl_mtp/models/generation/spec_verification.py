@@ -1,0 +1,132 @@
+"""Lossless verification of the MTP drafts by rejection sampling
+(``policy.generation.spec_verification: rejection_sampling``).
+
+megatron-core's engine accepts a draft only when it equals the token the policy samples at the
+draft's position (``exact_match``). That is exact, but at temperature > 0 the acceptance is
+sum_x p(x) q(x) (p: policy, q: MTP head), not the sum_x min(p(x), q(x)) speculative sampling
+reaches: two equal uniform distributions over two tokens accept half the drafts instead of all.
+
+Speculative sampling (Leviathan et al., Chen et al., 2023) accepts draft x with probability
+min(1, p(x) / q(x)); at the first rejection it samples from the normalised max(0, p - q), and
+when all k drafts are accepted it samples the bonus token from p. The tokens it emits are
+distributed exactly as the policy's.
+
+It plugs into the engine without changing its verification: the "policy samples" handed to the
+engine's equality check are the accepted drafts themselves, then the residual (or bonus) sample,
+which never equals the rejected draft. The check therefore accepts exactly the drafts rejection
+sampling accepted, and the engine's KV-cache rewind, its log-probs (the policy's, read from the
+verification rows) and its acceptance counters work as they do for exact match. p and q are the
+distributions megatron's sampler draws from (its own ``log_probs_kernel``: temperature, top-k,
+top-p), so the two verifications differ only in the acceptance rule.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+
+VERIFICATIONS = ("exact_match", "rejection_sampling")
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Speculative sampling for N requests with k drafts each.
+
+    p: [N, k + 1, V] policy probabilities at the k draft positions and the bonus position;
+    q: [N, k, V] the distributions the drafts were sampled from; drafts: [N, k].
+    Returns [N, k + 1] tokens: the accepted drafts, then one token from max(0, p - q) at the first
+    rejection (from p at the bonus position when none is rejected); positions after that hold
+    samples from p, which the engine never reads (its check stops at the first mismatch)."""
+    num_requests, k = drafts.shape
+    rows = torch.arange(num_requests, device=p.device)
+    p_of_draft = p[:, :k].gather(2, drafts[..., None]).squeeze(2)
+    q_of_draft = q.gather(2, drafts[..., None]).squeeze(2)
+    uniform = torch.rand(num_requests, k, generator=generator, device=p.device)
+    rejected_so_far = (uniform * q_of_draft >= p_of_draft).cumsum(dim=1) > 0
+    first_rejection = (~rejected_so_far).sum(dim=1)  # k when every draft is accepted
+    corrections = torch.cat([(p[:, :k] - q).clamp(min=0), p[:, k:]], dim=1)
+    correction = torch.multinomial(corrections[rows, first_rejection], 1, generator=generator).view(-1)
+    tokens = torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).view(num_requests, k + 1)
+    tokens[:, :k] = torch.where(rejected_so_far, tokens[:, :k], drafts)
+    tokens[rows, first_rejection] = correction
+    return tokens
+
+
+class RejectionSamplingController(TextGenerationController):
+    """megatron's controller, recording the distribution each draft is sampled from and
+    verifying drafts by rejection sampling."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._sampling = _RejectionSampling(self._sampling, self)
+        self._draft_request_ids = None
+        self._draft_tokens: list[torch.Tensor] = []
+        self._draft_probs: list[torch.Tensor] = []
+
+    def _compute_serial_mtp_and_sample(self, *args, **kwargs) -> None:
+        context = self.inference_wrapped_model.inference_context
+        self._draft_request_ids = context.request_ids[context.paused_request_count : context.total_request_count].clone()
+        self._draft_tokens, self._draft_probs = [], []
+        super()._compute_serial_mtp_and_sample(*args, **kwargs)
+
+    def _sample_from_logits_2d(self, logits_2d: torch.Tensor) -> torch.Tensor:
+        """One depth of drafts ([active requests]), with their distribution q recorded."""
+        tokens = super()._sample_from_logits_2d(logits_2d)
+        context = self.inference_wrapped_model.inference_context
+        self._draft_tokens.append(tokens.clone())
+        self._draft_probs.append(self._sampling.log_probs_kernel(logits_2d, context).exp())
+        return tokens
+
+    def drafts_of_decode_requests(self, num_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts [D, k] and their distributions [D, k, V] of the first ``num_decode`` active
+        requests, found by request id (the engine reorders requests between steps)."""
+        context = self.inference_wrapped_model.inference_context
+        active_ids = context.request_ids[context.paused_request_count : context.total_request_count][:num_decode]
+        matches = active_ids.to(self._draft_request_ids.device)[:, None] == self._draft_request_ids[None, :]
+        if not bool(matches.any(dim=1).all()):
+            raise RuntimeError("rejection sampling: a decode request has no recorded MTP drafts")
+        where = matches.int().argmax(dim=1)
+        drafts = torch.stack(self._draft_tokens, dim=1)[where]
+        probs = torch.stack(self._draft_probs, dim=1)[where]
+        return drafts, probs
+
+    def _verify_speculative_tokens(self, output_tokens, input_tokens_required, num_decode_requests, *args, **kwargs):
+        """The engine's equality check, after making sure the drafts it verifies are the ones
+        rejection sampling judged."""
+        if num_decode_requests:
+            stride = self.num_speculative_tokens + 1
+            verified = input_tokens_required.reshape(-1)[: num_decode_requests * stride].view(num_decode_requests, stride)[:, 1:]
+            recorded, _ = self.drafts_of_decode_requests(num_decode_requests)
+            if not torch.equal(verified, recorded.to(verified.device)):
+                raise RuntimeError("rejection sampling: the drafts in the engine's input are not the recorded ones")
+        return super()._verify_speculative_tokens(output_tokens, input_tokens_required, num_decode_requests, *args, **kwargs)
+
+
+class _RejectionSampling:
+    """megatron's sampling backend, with ``sample_speculative`` replaced by rejection sampling;
+    everything else is the backend's own."""
+
+    def __init__(self, backend, controller: RejectionSamplingController):
+        self._backend = backend
+        self._controller = controller
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def sample_speculative(self, required_logits, num_decode, num_prefill, num_speculative_tokens, context, *, gather_indices=None, **unused):
+        """Tokens for every verification row ([D * (k + 1) + P]): decode requests' rows by
+        rejection sampling, prefill requests' single rows from p."""
+        k = num_speculative_tokens
+        decode_rows = num_decode * (k + 1)
+        count = decode_rows + num_prefill
+        logits = required_logits[gather_indices[:count]] if gather_indices is not None else required_logits[:count]
+        request_of_row = torch.cat(
+            [torch.arange(num_decode).repeat_interleave(k + 1), torch.arange(num_decode, num_decode + num_prefill)]
+        )
+        p = self._backend.log_probs_kernel(logits, context, token_to_request_index=request_of_row).exp()
+        generator = self._controller.sampling_rng
+        tokens = torch.multinomial(p, 1, generator=generator).view(-1)
+        if num_decode:
+            drafts, q = self._controller.drafts_of_decode_requests(num_decode)
+            p_decode = p[:decode_rows].view(num_decode, k + 1, -1)
+            tokens[:decode_rows] = rejection_sample(p_decode, q, drafts.to(p.device), generator).view(-1)
+        return tokens
