@@ -24,7 +24,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from nemo_rl_mtp.algorithms.imitation import demonstration_batch, imitation_step  # noqa: E402
+from nemo_rl_mtp.algorithms.imitation import imitation_step  # noqa: E402
+from nemo_rl_mtp.data.demonstrations import demonstration_batch  # noqa: E402
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer  # noqa: E402
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine  # noqa: E402
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics  # noqa: E402

@@ -54,6 +54,9 @@ def trained_run(steps: int, log_dir: str):
             "logger.console=false",
             "logger.wandb_enabled=false",
             "logger.tensorboard_enabled=false",
+            # GRPO from scratch, as measured for the README: a policy early in RL, far from greedy.
+            "grpo.warmup_imitation_steps=0",
+            "policy.megatron_cfg.optimizer.lr=1e-3",
         ],
     )
     history = grpo_train(cfg)

@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 from nemo_rl_mtp.utils.config import ConfigError, load_config
-from nemo_rl_mtp.utils.console import EXIT_CONFIG_ERROR, EXIT_ERROR, interrupt_exit_status, one_line, interrupt_once_on_signals
+from nemo_rl_mtp.utils.console import (
+    EXIT_CONFIG_ERROR,
+    EXIT_ERROR,
+    VERBOSE_ENV,
+    interrupt_exit_status,
+    interrupt_once_on_signals,
+    one_line,
+    quiet_third_party_output,
+)
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent / "configs" / "grpo_mtp_tiny_cpu.yaml"
 
@@ -26,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         "--overwrite", action="store_true", help="replace an existing run directory of the same logger.run_name"
     )
     parser.add_argument("--verbose", action="store_true", help="debug logging, and full tracebacks on errors")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the flags
+    start = time.monotonic()
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    quiet_third_party_output()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     interrupt_once_on_signals()
     cfg = None
@@ -51,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     finally:
         stop_ray()
-    print_summary(history)
+    print_summary(cfg, history, time.monotonic() - start)
     return 0
 
 
@@ -74,13 +88,15 @@ def stop_ray() -> None:
         shutdown_ray()
 
 
-def print_summary(history: list[dict[str, float]]) -> None:
-    first, last = history[0], history[-1]
-    print(f"reward: {first['train/reward']:.3f} -> {last['train/reward']:.3f} over {len(history)} steps")
-    for key in sorted(k for k in last if k.endswith("acceptance_rate")):
-        print(f"{key}: {first[key]:.1f}% -> {last[key]:.1f}%")
-    if "rollout/tokens_per_decode_step" in last:
-        print(f"rollout/tokens_per_decode_step: {first['rollout/tokens_per_decode_step']:.2f} -> {last['rollout/tokens_per_decode_step']:.2f}")
+def print_summary(cfg, history: list[dict[str, float]], wall_s: float) -> None:
+    """The run's figure, drawn now, and its summary."""
+    from nemo_rl_mtp.algorithms.grpo import run_directory
+    from nemo_rl_mtp.utils.plot import plot_run
+    from nemo_rl_mtp.utils.summary import run_summary
+
+    run_dir = run_directory(cfg.logger)
+    figure = plot_run(run_dir / "metrics.jsonl", run_dir / "mtp_run.png")
+    print(run_summary(history, run_dir, wall_s, figure))
 
 
 if __name__ == "__main__":

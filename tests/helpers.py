@@ -17,6 +17,8 @@ SMALL_GRPO_STEP = [
     "policy.train_global_batch_size=32",
     "policy.train_micro_batch_size=8",
     "logger.console=false",
+    "grpo.warmup_imitation_steps=0",
+    "grpo.val_num_prompts=8",
 ]
 
 

@@ -21,13 +21,14 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf, read_write
 
+from nemo_rl_mtp.data.demonstrations import task_demonstrations
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
 from nemo_rl_mtp.models.generation.speculation import check_speculation_supported, speculation_metrics
 from nemo_rl_mtp.utils.checkpoint import CheckpointDirectory
 from nemo_rl_mtp.utils.config import ConfigError
-from nemo_rl_mtp.utils.config_schema import LoggerConfig, MasterConfig
+from nemo_rl_mtp.utils.config_schema import GRPOConfig, LoggerConfig, MasterConfig
 from nemo_rl_mtp.utils.logger import Logger, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
     if resume_from is not None:
         check_resumable_config(run_dir / "config.yaml", cfg)
     tokenizer = DigitTokenizer()
-    env = DigitTaskEnvironment(cfg.env, tokenizer)
+    env = DigitTaskEnvironment(cfg.env, tokenizer, cfg.grpo.val_num_prompts)
     loss_fn = ClippedPGLossFn(
         ratio_clip_min=cfg.loss_fn.ratio_clip_min,
         ratio_clip_max=cfg.loss_fn.ratio_clip_max,
@@ -160,10 +161,13 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
     try:
         if resume_from is not None:
             policy.load_checkpoint(resume_from)
+        warmup = warm_up(cfg, policy, env, tokenizer, prompt_generator) if resume_from is None else {}
         log = Logger(cfg.logger, run_dir, cfg, cfg.grpo.max_num_steps, trainer_state["steps_done"], trainer_state["wandb_run_id"])
         for step in range(trainer_state["steps_done"], cfg.grpo.max_num_steps):
             metrics = grpo_step(cfg, step, policy, env, tokenizer, loss_fn, prompt_generator)
-            log.log(metrics, step)
+            if _validation_due(cfg.grpo, step):
+                metrics.update(validate(policy, env, tokenizer))
+            log.log({**warmup, **metrics} if step == 0 else metrics, step)
             if _checkpoint_due(cfg.checkpointing, step + 1, cfg.grpo.max_num_steps):
                 save_checkpoint(checkpoints, step + 1, policy, prompt_generator, log)
     finally:
@@ -255,6 +259,45 @@ def _leaves(config) -> dict:
     return dict(walk(OmegaConf.to_container(config, resolve=True), ""))
 
 
+def warm_up(cfg: MasterConfig, policy, env: DigitTaskEnvironment, tokenizer: DigitTokenizer, prompt_generator) -> dict[str, float]:
+    """``grpo.warmup_imitation_steps`` imitation steps, each on the correct answers to one global
+    batch of training prompts; the last step's metrics as ``warmup/...``."""
+    metrics, start = {}, time.perf_counter()
+    for _ in range(cfg.grpo.warmup_imitation_steps):
+        digits = env.sample_prompts(cfg.policy.train_global_batch_size, prompt_generator)
+        metrics = policy.imitate(task_demonstrations(env.task, digits, tokenizer), cfg.grpo.warmup_lr)
+    if not metrics:
+        return {}
+    acceptance = metrics.get("mtp_1_acceptance_rate")
+    logger.info(
+        "warm start: %d imitation steps in %.0f s; loss %.3f%s", cfg.grpo.warmup_imitation_steps,
+        time.perf_counter() - start, metrics["loss"], "" if acceptance is None else f", MTP depth-1 acceptance {acceptance:.0f}%",
+    )  # fmt: skip
+    return {f"warmup/{key}": value for key, value in metrics.items()}
+
+
+def _validation_due(grpo_cfg: GRPOConfig, step: int) -> bool:
+    return step == 0 or (step + 1) % grpo_cfg.val_period == 0 or step + 1 == grpo_cfg.max_num_steps
+
+
+def validate(policy, env: DigitTaskEnvironment, tokenizer: DigitTokenizer) -> dict[str, float]:
+    """Greedy rollouts on the held-out prompts: ``val/reward``, ``val/accuracy`` (answers exactly
+    right) and, with speculation, the drafts' acceptance as ``val/draft_{i}_...`` and
+    ``val/tokens_per_decode_step``."""
+    prompts = [tokenizer.encode_prompt(digits) for digits in env.validation_prompts]
+    generation = policy.generate(prompts, tokenizer.eos_id, tokenizer.pad_id, seed=0, greedy=True)
+    rewards = torch.tensor(env.rewards(env.validation_prompts, responses_of(generation)))
+    metrics = {"val/reward": rewards.mean().item(), "val/accuracy": (rewards == 1.0).float().mean().item()}
+    metrics.update({f"val/{key.removeprefix('rollout/')}": value for key, value in speculation_metrics(generation).items()})
+    return metrics
+
+
+def responses_of(generation: dict[str, torch.Tensor]) -> list[list[int]]:
+    """Each rollout's response tokens (after its prompt, up to its length)."""
+    tokens, starts, ends = generation["tokens"], generation["prompt_lengths"], generation["lengths"]
+    return [tokens[row, starts[row] : ends[row]].tolist() for row in range(tokens.shape[0])]
+
+
 def _checkpoint_due(checkpointing_cfg, steps_done: int, max_num_steps: int) -> bool:
     return checkpointing_cfg.enabled and (steps_done % checkpointing_cfg.save_period == 0 or steps_done == max_num_steps)
 
@@ -284,11 +327,7 @@ def grpo_step(cfg: MasterConfig, step: int, policy, env, tokenizer, loss_fn, pro
     generation = policy.generate(prompts, tokenizer.eos_id, tokenizer.pad_id, seed=grpo.seed * 100_003 + step)
     timings["generation_s"] = time.perf_counter() - start
 
-    responses = [
-        generation["tokens"][row, generation["prompt_lengths"][row] : generation["lengths"][row]].tolist()
-        for row in range(len(prompts))
-    ]
-    rewards = torch.tensor(env.rewards(digits, responses))
+    rewards = torch.tensor(env.rewards(digits, responses_of(generation)))
     batch = build_train_batch(generation, group_advantages(rewards, group_size, grpo.normalize_rewards))
 
     logprobs_start = time.perf_counter()

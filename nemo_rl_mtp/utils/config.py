@@ -41,6 +41,10 @@ _RANGES = {
     "grpo.num_prompts_per_step": (1, True, None, False),
     "grpo.num_generations_per_prompt": (2, True, None, False),
     "grpo.max_num_steps": (1, True, None, False),
+    "grpo.warmup_imitation_steps": (0, True, None, False),
+    "grpo.warmup_lr": (0.0, False, None, False),
+    "grpo.val_period": (1, True, None, False),
+    "grpo.val_num_prompts": (1, True, None, False),
     "loss_fn.ratio_clip_min": (0.0, True, 1.0, False),
     "loss_fn.ratio_clip_max": (0.0, True, None, False),
     "loss_fn.reference_policy_kl_penalty": (0.0, True, None, False),
@@ -191,12 +195,25 @@ def _validate_grpo(cfg: DictConfig) -> None:
         f"must be a multiple of train_micro_batch_size x data-parallel size ({policy.train_micro_batch_size} x {data_parallel})",
     )
     _require(
+        grpo.val_num_prompts % data_parallel == 0,
+        "grpo.val_num_prompts",
+        grpo.val_num_prompts,
+        f"must split evenly over the {data_parallel} data-parallel ranks that generate",
+    )
+    _require(
         grpo.num_prompts_per_step % data_parallel == 0,
         "grpo.num_prompts_per_step",
         grpo.num_prompts_per_step,
         f"must split evenly over the {data_parallel} data-parallel ranks that generate",
     )
     _require(env.min_digits <= env.max_digits, "env.min_digits", env.min_digits, f"must be <= env.max_digits={env.max_digits}")
+    prompt_space = sum(10**length for length in range(env.min_digits, env.max_digits + 1))
+    _require(
+        grpo.val_num_prompts <= prompt_space // 4,
+        "grpo.val_num_prompts",
+        grpo.val_num_prompts,
+        f"must hold out at most a quarter of the task's {prompt_space} prompts (env.min_digits..max_digits)",
+    )
     generation = policy.generation
     _require(
         generation.top_k == 0 or generation.top_p == 1.0,

@@ -91,6 +91,10 @@ class GRPOConfig:
     max_num_steps: int
     normalize_rewards: bool
     seed: int
+    warmup_imitation_steps: int
+    warmup_lr: float
+    val_period: int
+    val_num_prompts: int
 
 
 @dataclass

@@ -9,7 +9,10 @@ driver twice under ``uv run`` (from the terminal, and forwarded by uv)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import warnings
 
 EXIT_CONFIG_ERROR = 2
 EXIT_ERROR = 1
@@ -44,3 +47,35 @@ def one_line(error: BaseException) -> str:
         cause = error
     lines = [line for line in str(cause).splitlines() if line.strip()]
     return f"{type(cause).__name__}: {lines[0].strip() if lines else ''}"
+
+
+# Set by the command line's --verbose; read by the driver and (through the inherited environment)
+# by the local Ray workers.
+VERBOSE_ENV = "NEMO_RL_MTP_VERBOSE"
+
+# Third-party output with no action for a user of this project (all shown again with --verbose).
+_QUIET_WARNINGS = (
+    # "Transformer Engine and Apex are not installed. Falling back to ..." (expected on CPU),
+    # megatron's MiMo/TransformerConfig notices.
+    dict(category=UserWarning, module=r"megatron\."),
+    # Invalid escape sequences in megatron's docstrings, reported when its modules compile.
+    dict(category=SyntaxWarning, message=r"invalid escape sequence"),
+)
+_QUIET_LOGGERS = {
+    "megatron.core.models.gpt.gpt_model": logging.ERROR,  # "GPTModel IS DEPRECATED", once per worker
+    "megatron.core.distributed.fsdp": logging.WARNING,  # Megatron-FSDP detection (FSDP is not used)
+    "megatron.core.dist_checkpointing.strategies.torch": logging.ERROR,  # "MCore's async save is deprecated"
+    "torch.utils.cpp_extension": logging.ERROR,  # "No CUDA runtime is found" (expected on CPU)
+    "ray._private.authentication": logging.ERROR,  # token authentication notice of a local instance
+}
+
+
+def quiet_third_party_output() -> None:
+    """Filter the output listed above, unless ``--verbose`` asked for everything (idempotent)."""
+    if os.environ.get(VERBOSE_ENV) == "1":
+        return
+    for rule in _QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", **rule)
+    for name, level in _QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
+    os.environ.setdefault("WANDB_SILENT", "true")

@@ -14,10 +14,11 @@ from omegaconf import OmegaConf
 
 logger = logging.getLogger(__name__)
 
-# Shown in the progress bar, when present: (metric key, short label). MTP acceptance in training
-# (mtp_acc) next to the rollout's acceptance of the first draft token (draft_acc).
+# Shown in the progress bar, the latest value of each: (metric key, short label). MTP acceptance
+# in training (mtp_acc) next to the rollout's acceptance of the first draft token (draft_acc).
 PROGRESS_FIELDS = (
     ("train/reward", "reward"),
+    ("val/accuracy", "val_acc"),
     ("train/loss", "loss"),
     ("train/mtp/mtp_1_loss", "mtp_loss"),
     ("train/mtp/mtp_1_acceptance_rate", "mtp_acc"),
@@ -67,6 +68,7 @@ class Logger:
             )
             logger.info("wandb run %s (%s) in %s", run_dir.name, mode, run_dir / "wandb")
         self.progress = None
+        self.shown: dict[str, str] = {}
         if logger_cfg.console:
             from tqdm import tqdm
 
@@ -85,8 +87,8 @@ class Logger:
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         if self.progress is not None:
-            shown = {label: f"{metrics[key]:.3g}" for key, label in PROGRESS_FIELDS if key in metrics}
-            self.progress.set_postfix(shown, refresh=False)
+            self.shown.update({label: f"{metrics[key]:.3g}" for key, label in PROGRESS_FIELDS if key in metrics})
+            self.progress.set_postfix(self.shown, refresh=False)
             self.progress.update(1)
 
     def close(self) -> None:

@@ -37,6 +37,8 @@ def plot_run(metrics_path: Path, output_path: Path) -> Path:
     reward_axis.plot(*series("train/reward"), label="mean reward")
     if any("train/accuracy" in row for row in rows):
         reward_axis.plot(*series("train/accuracy"), label="exact answers")
+    if any("val/accuracy" in row for row in rows):
+        reward_axis.plot(*series("val/accuracy"), marker="o", label="validation: exact answers (greedy)")
     reward_axis.set(title="Reward", xlabel="step", ylim=(0, 1))
     reward_axis.legend()
     for layer in layers:

@@ -1,5 +1,6 @@
-"""The default recipe learns: over its budget the reward rises clearly, and as the policy sharpens
-the MTP heads' acceptance rises with it, in training and in the speculative rollouts."""
+"""The default recipe learns: a warm start on the task's answers, then GRPO, reaches high
+accuracy on prompts it never trained on, with the MTP head trained alongside and drafting in
+the rollouts."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ run_grpo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(run_grpo)
 
 
-def test_default_recipe_reward_and_mtp_acceptance_rise_in_training_and_rollouts(tmp_path):
-    budget = load_config(run_grpo.DEFAULT_RECIPE).grpo.max_num_steps
+def test_default_recipe_reaches_high_validation_accuracy_with_the_mtp_head_trained(tmp_path):
+    cfg = load_config(run_grpo.DEFAULT_RECIPE)
     argv = [
         f"logger.log_dir={tmp_path}",
         "logger.run_name=learns",
@@ -31,21 +32,22 @@ def test_default_recipe_reward_and_mtp_acceptance_rise_in_training_and_rollouts(
     ]
     assert run_grpo.main(argv) == 0
     rows = read_metrics(tmp_path / "learns" / "metrics.jsonl")
-    assert len(rows) == budget
+    assert len(rows) == cfg.grpo.max_num_steps
+    validated = [row for row in rows if "val/accuracy" in row]
+    assert len(validated) == cfg.grpo.max_num_steps // cfg.grpo.val_period + 1  # step 0, every period
     window = 10
 
-    def start_and_end(key):
-        values = [row[key] for row in rows]
-        return statistics.mean(values[:window]), statistics.mean(values[-window:])
+    def end(key):
+        return statistics.mean(row[key] for row in rows[-window:])
 
-    reward_start, reward_end = start_and_end("train/reward")
-    acceptance_start, acceptance_end = start_and_end("train/mtp/mtp_1_acceptance_rate")
-    drafts_start, drafts_end = start_and_end("rollout/draft_1_acceptance_rate")
-    per_step_start, per_step_end = start_and_end("rollout/tokens_per_decode_step")
     print(
-        f"reward {reward_start:.3f} -> {reward_end:.3f}, MTP acceptance {acceptance_start:.1f}% -> {acceptance_end:.1f}%, "
-        f"rollout acceptance {drafts_start:.1f}% -> {drafts_end:.1f}%, tokens per decode step {per_step_start:.2f} -> {per_step_end:.2f}"
+        f"warm start: MTP acceptance {rows[0]['warmup/mtp_1_acceptance_rate']:.0f}%; val accuracy "
+        f"{validated[0]['val/accuracy']:.3f} -> {validated[-1]['val/accuracy']:.3f}; reward {rows[0]['train/reward']:.3f} -> "
+        f"{end('train/reward'):.3f}; MTP acceptance {end('train/mtp/mtp_1_acceptance_rate'):.1f}%, rollout draft acceptance "
+        f"{end('rollout/draft_1_acceptance_rate'):.1f}%, tokens per decode step {end('rollout/tokens_per_decode_step'):.2f}"
     )
-    assert reward_end > 2 * reward_start and reward_end - reward_start > 0.08
-    assert acceptance_end > acceptance_start + 20
-    assert drafts_end > drafts_start + 15 and per_step_end > per_step_start + 0.15
+    assert rows[0]["warmup/mtp_1_acceptance_rate"] > 80  # the warm start is logged, with the MTP head
+    assert validated[-1]["val/accuracy"] >= 0.9 and validated[-1]["val/accuracy"] >= validated[0]["val/accuracy"]
+    assert end("train/reward") > 0.9
+    assert end("train/mtp/mtp_1_acceptance_rate") > 90
+    assert end("rollout/tokens_per_decode_step") > 1.2

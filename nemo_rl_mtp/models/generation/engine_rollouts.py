@@ -36,8 +36,8 @@ class RolloutEngine:
         self.generation_cfg = policy_cfg.generation
         self.engine = build_engine(policy.model.module, policy_cfg)
 
-    def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int) -> dict[str, torch.Tensor]:
-        """Sample a response to each prompt (token ids).
+    def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int, greedy: bool = False) -> dict[str, torch.Tensor]:
+        """Sample a response to each prompt (token ids); with ``greedy``, the most likely one.
 
         Returns host tensors: ``tokens`` [B, S] (prompt + response, right-padded with ``pad_id``),
         ``lengths`` [B], ``prompt_lengths`` [B], ``logprobs`` [B, S] (token-aligned: each response
@@ -49,13 +49,13 @@ class RolloutEngine:
         with rollout_mode(self.policy.model), policy_sampling_distribution(
             self.policy.model.module, self.generation_cfg.temperature, self.policy.vocab_size
         ):
-            responses, decode_steps = run_to_completion(self.engine, prompts, self.sampling_params(eos_id))
+            responses, decode_steps = run_to_completion(self.engine, prompts, self.sampling_params(eos_id, greedy))
         rollouts = right_padded_rollouts(prompts, responses, eos_id, pad_id)
         rollouts["decode_steps"] = torch.tensor(decode_steps)
         rollouts.update(speculation_counts(self.engine))
         return rollouts
 
-    def sampling_params(self, eos_id: int):
+    def sampling_params(self, eos_id: int, greedy: bool = False):
         """megatron's SamplingParams for our generation config. Temperature is applied to the
         logits (see module docstring), so megatron samples at 1.0; our top_p "off" (1.0) is 0.0
         there."""
@@ -64,8 +64,8 @@ class RolloutEngine:
         cfg = self.generation_cfg
         return SamplingParams(
             temperature=1.0,
-            top_k=cfg.top_k,
-            top_p=0.0 if cfg.top_p >= 1.0 else cfg.top_p,
+            top_k=1 if greedy else cfg.top_k,
+            top_p=0.0 if greedy or cfg.top_p >= 1.0 else cfg.top_p,
             return_log_probs=True,
             skip_prompt_log_probs=True,
             num_tokens_to_generate=cfg.max_new_tokens,

@@ -74,11 +74,12 @@ class Policy:
         results = ray.get(futures)
         return [results[self.reader_of_dp_rank[rank]] for rank in range(self.dp_size)]
 
-    def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int) -> dict[str, torch.Tensor]:
-        """Rollouts of every data-parallel rank, in prompt order: ``tokens``, ``lengths``,
-        ``prompt_lengths``, ``logprobs`` (see ``RolloutEngine.generate``); ``decode_steps`` of the
-        slowest rank; ``draft_proposed``, ``draft_accepted`` summed over the ranks."""
-        shards = self._run_sharded("generate", prompts, eos_id, pad_id, seed)
+    def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int, greedy: bool = False) -> dict[str, torch.Tensor]:
+        """Rollouts (greedy ones with ``greedy``) of every data-parallel rank, in prompt order:
+        ``tokens``, ``lengths``, ``prompt_lengths``, ``logprobs`` (see ``RolloutEngine.generate``);
+        ``decode_steps`` of the slowest rank; ``draft_proposed``, ``draft_accepted`` summed over
+        the ranks."""
+        shards = self._run_sharded("generate", prompts, eos_id, pad_id, seed, greedy)
         width = max(shard["tokens"].shape[1] for shard in shards)
         merged = {}
         for key in shards[0]:
@@ -101,6 +102,11 @@ class Policy:
     def train(self, batch: dict[str, torch.Tensor], loss_fn) -> dict[str, float]:
         """One optimizer step on a global batch; the metrics are already global."""
         return self._run_sharded("train", batch, loss_fn)[0]
+
+    def imitate(self, batch: dict[str, torch.Tensor], lr: float) -> dict[str, float]:
+        """One imitation step at learning rate ``lr`` on a global batch of demonstrations; the
+        metrics are global."""
+        return self._run_sharded("imitate", batch, lr)[0]
 
     def save_checkpoint(self, directory: Path) -> None:
         ray.get([worker.save_checkpoint.remote(str(directory)) for worker in self.workers])

@@ -20,6 +20,9 @@ class MegatronPolicyWorker:
         init_method: str,
         keep_reference_weights: bool = False,
     ):
+        from nemo_rl_mtp.utils.console import quiet_third_party_output
+
+        quiet_third_party_output()  # before megatron is imported
         from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy
 
         self.policy_cfg = policy_cfg
@@ -47,13 +50,28 @@ class MegatronPolicyWorker:
             "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
         }
 
-    def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int) -> dict:
+    def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int, greedy: bool) -> dict:
         """Responses to this rank's share of the prompts, from the inference engine over the live
         model. Each data-parallel rank draws from its own seed; its tensor/pipeline peers share it."""
         from megatron.core import parallel_state
 
         rank_seed = seed * 1_000_003 + parallel_state.get_data_parallel_rank()
-        return self.rollout_engine.generate(prompts, eos_id, pad_id, rank_seed)
+        return self.rollout_engine.generate(prompts, eos_id, pad_id, rank_seed, greedy)
+
+    def imitate(self, batch: dict, lr: float) -> dict[str, float]:
+        """One imitation (supervised) step at learning rate ``lr`` on this rank's share of a
+        global batch of demonstrations; metrics are global, MTP loss and acceptance included."""
+        from nemo_rl_mtp.algorithms.imitation import imitation_step
+
+        groups = self.policy.optimizer.param_groups
+        configured = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = lr
+        try:
+            return imitation_step(self.policy, batch, self.policy_cfg)
+        finally:
+            for group, value in zip(groups, configured):
+                group["lr"] = value
 
     def get_logprobs(self, batch: dict):
         from nemo_rl_mtp.models.megatron.inference import compute_logprobs

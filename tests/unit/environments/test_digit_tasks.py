@@ -42,3 +42,18 @@ def test_prompts_respect_the_digit_range_and_the_seed():
     assert {len(prompt) for prompt in prompts} == {2, 3, 4}
     assert all(0 <= digit <= 9 for prompt in prompts for digit in prompt)
     assert prompts == env.sample_prompts(200, torch.Generator().manual_seed(1))
+
+
+def test_training_prompts_never_include_a_validation_prompt():
+    """Without the exclusion about 128 / 11100 of 20000 draws (about 230) would be held out."""
+    from nemo_rl_mtp.utils.config import load_config
+
+    env_cfg = load_config().env
+    env = DigitTaskEnvironment(env_cfg, DigitTokenizer(), num_validation_prompts=128)
+    held_out = {tuple(prompt) for prompt in env.validation_prompts}
+    assert len(held_out) == 128
+    assert DigitTaskEnvironment(env_cfg, DigitTokenizer(), 128).validation_prompts == env.validation_prompts  # fixed
+    drawn = env.sample_prompts(20_000, torch.Generator().manual_seed(0))
+    assert len(drawn) == 20_000 and not held_out & {tuple(prompt) for prompt in drawn}
+    unfiltered = DigitTaskEnvironment(env_cfg, DigitTokenizer()).sample_prompts(20_000, torch.Generator().manual_seed(0))
+    assert len(held_out & {tuple(prompt) for prompt in unfiltered}) > 50  # control: the draws do hit it

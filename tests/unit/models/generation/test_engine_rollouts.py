@@ -9,7 +9,8 @@ import pytest
 import torch
 from megatron.core.inference.utils import InferenceMode
 
-from nemo_rl_mtp.algorithms.imitation import imitation_step, task_demonstrations
+from nemo_rl_mtp.algorithms.imitation import imitation_step
+from nemo_rl_mtp.data.demonstrations import task_demonstrations
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics
