@@ -72,9 +72,10 @@ def test_mtp_metrics_logged_every_step(runs, name, layers):
     assert [row["step"] for row in rows] == list(range(STEPS))
     expected = {"train/mtp/grad_norm"}
     for layer in range(1, layers + 1):
-        expected |= {f"train/mtp/mtp_{layer}_loss", f"train/mtp/mtp_{layer}_acceptance_rate"}
+        expected |= {f"train/mtp/mtp_{layer}_{name}" for name in ("loss", "acceptance_rate", "target_tokens")}
     for row in rows:
         assert _mtp_keys(row) == expected
+        assert all(row[f"train/mtp/mtp_{layer}_target_tokens"] > 0 for layer in range(1, layers + 1))
         assert all(math.isfinite(row[key]) for key in row)
         assert row["train/mtp/grad_norm"] > 0 and row["train/mtp/mtp_1_loss"] > 0
         for key in ("train/reward", "train/loss", "train/clip_fraction", "rollout/tokens_per_s", "timing/step_s"):
