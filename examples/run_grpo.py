@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party_output()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     interrupt_once_on_signals()
+    ray_was_running = ray_is_running()
     cfg = None
     try:
         cfg = load_config(args.config, args.overrides)  # before the heavy imports: bad input fails in a second
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {one_line(error)} (--verbose shows the traceback)", file=sys.stderr)
         return EXIT_ERROR
     finally:
-        stop_ray()
+        stop_ray(ray_was_running)
     print_summary(cfg, history, time.monotonic() - start)
     return 0
 
@@ -81,8 +82,13 @@ def resume_hint(cfg) -> str:
     return f"run again with logger.run_name={cfg.logger.run_name} to resume from {latest}"
 
 
-def stop_ray() -> None:
-    if "ray" in sys.modules:  # a config error stops before Ray is imported
+def ray_is_running() -> bool:
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
+def stop_ray(was_running: bool) -> None:
+    """Stop the Ray instance this call started (a caller's own instance is left running)."""
+    if ray_is_running() and not was_running:
         from nemo_rl_mtp.distributed.ray_cluster import shutdown_ray
 
         shutdown_ray()

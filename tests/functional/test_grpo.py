@@ -51,6 +51,10 @@ def runs(tmp_path_factory):
         "greedy": greedy,
         "greedy_dp2": ["cluster.workers_per_node=2", *greedy],
     }
+    from nemo_rl_mtp.distributed.ray_cluster import init_ray
+    from nemo_rl_mtp.utils.config import load_config
+
+    init_ray(load_config().cluster)  # one local instance for every run of this module
     results = {}
     for name, overrides in configs.items():
         argv = [*SMALL, f"grpo.max_num_steps={STEPS}", f"logger.log_dir={log_dir}", f"logger.run_name={name}", *overrides]
