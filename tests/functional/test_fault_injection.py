@@ -166,6 +166,8 @@ def test_under_uv_run_workers_use_the_driver_environment_and_sigterm_exits_143_i
     assert alive == []
     assert "Ray workers start from this interpreter" in terminated.stderr
     assert "Creating virtual environment" not in terminated.stderr  # uv's line when Ray's uv hook builds one
+    assert terminated.stderr.count("rollout engine adapted to the CPU") == 1  # once, from the driver
+    assert "GPTModel IS DEPRECATED" not in terminated.stderr and "Falling back" not in terminated.stderr  # filtered
 
 
 def test_a_run_directory_without_checkpoint_is_refused_unless_overwritten(log_dir):

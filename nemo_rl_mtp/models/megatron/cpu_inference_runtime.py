@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Optional
 
 import torch
 
@@ -32,6 +33,15 @@ from nemo_rl_mtp.models.megatron import cpu_runtime, paged_attention
 logger = logging.getLogger(__name__)
 
 _INSTALLED = False
+ADAPTATIONS = (
+    "torch.cuda.Event/Stream -> host stand-ins, flash-attn paged kernels -> torch paged attention, "
+    "triton KV append and MTP kernels -> megatron's PyTorch versions, pipeline tensors may be host tensors"
+)
+
+
+def adaptations_in_place() -> Optional[str]:
+    """What this process adapted for the CPU (``ADAPTATIONS``), or None when nothing was."""
+    return ADAPTATIONS if _INSTALLED else None
 
 
 def install() -> bool:
@@ -62,11 +72,7 @@ def install() -> bool:
     for kernel in ("verify_speculative_tokens", "prepare_next_forward_pass", "mamba_state_selective_copy"):
         setattr(text_generation_controller, kernel, getattr(mtp_utils_pytorch, kernel))
     _INSTALLED = True
-    logger.info(
-        "cpu_inference_runtime: inference engine adapted to CPU: torch.cuda.Event/Stream -> host "
-        "stand-ins, flash-attn paged kernels -> torch paged attention, triton KV append and MTP "
-        "kernels -> megatron's PyTorch versions, pipeline tensors may be host tensors"
-    )
+    logger.info("cpu_inference_runtime: inference engine adapted to CPU: %s", ADAPTATIONS)
     return True
 
 

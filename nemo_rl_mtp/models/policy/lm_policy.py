@@ -54,6 +54,8 @@ class Policy:
             if info["tp_rank"] == 0 and info["cp_rank"] == 0 and info["pp_rank"] == last_stage
         }
         logger.info("policy: %d workers, data-parallel size %d", size, self.dp_size)
+        if self.ranks[0]["engine_cpu_adaptations"]:  # logged once here: Ray does not forward workers' INFO lines
+            logger.info("rollout engine adapted to the CPU: %s", self.ranks[0]["engine_cpu_adaptations"])
 
     def _shards(self, items):
         """Contiguous data-parallel shards of a list or of a dict of [B, ...] tensors."""

@@ -36,11 +36,15 @@ class MegatronPolicyWorker:
         # The reference policy for the KL penalty: the initial weights, kept on the host.
         self.reference_weights = self._host_copy_of_weights() if keep_reference_weights else None
 
-    def parallel_ranks(self) -> dict[str, int]:
-        """Where this worker sits in megatron's parallel layout."""
+    def parallel_ranks(self) -> dict:
+        """Where this worker sits in megatron's parallel layout, and what its inference engine
+        had adapted for the CPU (None on GPU)."""
         from megatron.core import parallel_state
 
+        from nemo_rl_mtp.models.megatron.cpu_inference_runtime import adaptations_in_place
+
         return {
+            "engine_cpu_adaptations": adaptations_in_place(),
             "rank": self.rank,
             "dp_rank": parallel_state.get_data_parallel_rank(),
             "dp_size": parallel_state.get_data_parallel_world_size(),
