@@ -6,17 +6,20 @@ The path, step by step (all of it inside the engine, over the live training mode
                      the last accepted token: depth d proposes draft d + 1 from the token before
                      it, sampled with the request's sampling parameters (``num_speculative_tokens``
                      drafts per request; a repeated MTP layer may propose more than it has layers)
-  2. verification  - the next forward pass runs the policy over [last token, drafts] at once; a
-                     draft is accepted when it equals the policy's own sample at its position, the
-                     first mismatch ends the run, and the policy's sample there is the bonus token.
-                     Exact: the output is what sampling without speculation would draw.
+  2. verification  - the next forward pass runs the policy over [last token, drafts] at once.
+                     ``spec_verification: rejection_sampling`` (default, :mod:`spec_verification`)
+                     accepts draft x with probability min(1, p(x)/q(x)) and draws the token at the
+                     first rejection from max(0, p - q); ``exact_match`` (megatron's own) accepts a
+                     draft when it equals the policy's sample at its position. Either way the first
+                     rejection ends the run and the output is what sampling without speculation
+                     would draw.
   3. metrics       - per draft position i, drafts proposed and accepted (``speculation_counts``),
                      summed over data-parallel ranks (``Policy.generate``), logged as
                      ``rollout/...`` (``speculation_metrics``) next to the training-side
                      ``mtp_{i}_acceptance_rate``.
 
 Verification by equality accepts a draft x with probability p(x) (p: policy, q: MTP head), so
-acceptance at temperature > 0 is sum_x p(x) q(x), below speculative sampling's sum_x min(p, q).
+acceptance at temperature > 0 is sum_x p(x) q(x); rejection sampling reaches sum_x min(p, q).
 """
 
 from __future__ import annotations
