@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf, read_write
 
-from nemo_rl_mtp.data.demonstrations import task_demonstrations
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
+from nemo_rl_mtp.data.demonstrations import task_demonstrations
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
 from nemo_rl_mtp.models.generation.speculation import check_speculation_supported, speculation_metrics
@@ -139,7 +139,7 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
     cfg = with_run_name(cfg)
     preflight_checks(cfg)
     run_dir = run_directory(cfg.logger)
-    checkpoints = CheckpointDirectory(checkpoint_root(cfg, run_dir), cfg.checkpointing.keep_last)
+    checkpoints = checkpoint_directory(cfg, run_dir)
     resume_from = prepare_run_directory(run_dir, checkpoints, overwrite)
     if resume_from is not None:
         check_resumable_config(run_dir / "config.yaml", cfg)
@@ -181,14 +181,15 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
 TRAINER_STATE = "trainer_state.pt"
 
 
-def checkpoint_root(cfg: MasterConfig, run_dir: Path) -> Path:
-    return Path(cfg.checkpointing.checkpoint_dir) if cfg.checkpointing.checkpoint_dir else run_dir / "checkpoints"
+def checkpoint_directory(cfg: MasterConfig, run_dir: Path) -> CheckpointDirectory:
+    """``checkpointing.checkpoint_dir``, or ``<run_dir>/checkpoints`` when it is null."""
+    root = Path(cfg.checkpointing.checkpoint_dir) if cfg.checkpointing.checkpoint_dir else run_dir / "checkpoints"
+    return CheckpointDirectory(root, cfg.checkpointing.keep_last)
 
 
 def latest_checkpoint(cfg: MasterConfig) -> Optional[Path]:
     """The newest complete checkpoint of the run ``cfg`` names (run name filled in), if any."""
-    root = checkpoint_root(cfg, run_directory(cfg.logger))
-    return CheckpointDirectory(root, cfg.checkpointing.keep_last).latest()
+    return checkpoint_directory(cfg, run_directory(cfg.logger)).latest()
 
 
 def prepare_run_directory(run_dir: Path, checkpoints: CheckpointDirectory, overwrite: bool) -> Optional[Path]:
