@@ -29,6 +29,7 @@ _CHOICES = {
     "policy.megatron_cfg.recompute_granularity": {None, "full", "selective"},
     "policy.megatron_cfg.recompute_method": {None, "uniform", "block"},
     "policy.generation.spec_verification": {"exact_match", "rejection_sampling"},
+    "policy.generation.draft_context": {"sequence", "single_position"},
     "env.task": {"reverse", "sort", "count_up"},
     "logger.wandb.mode": {"auto", "online", "offline"},
     "cluster.gpus_per_worker": {0, 1},

@@ -71,6 +71,7 @@ class GenerationConfig:
     max_new_tokens: int
     num_speculative_tokens: int
     spec_verification: str
+    draft_context: str
     engine: InferenceEngineConfig
 
 

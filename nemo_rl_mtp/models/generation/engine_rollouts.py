@@ -19,13 +19,17 @@ What the engine needs from us around each rollout:
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
+from nemo_rl_mtp.models.generation import sequence_drafts
 from nemo_rl_mtp.models.generation.speculation import speculation_counts
 from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
-from nemo_rl_mtp.utils.config_schema import PolicyConfig
+from nemo_rl_mtp.utils.config_schema import GenerationConfig, PolicyConfig
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutEngine:
@@ -81,14 +85,9 @@ def build_engine(model, policy_cfg: PolicyConfig):
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
-        TextGenerationController,
-    )
     from megatron.core.inference.utils import InferenceMode
 
     cpu_inference_runtime.install()
-    from nemo_rl_mtp.models.generation.spec_verification import RejectionSamplingController
-
     sizing = policy_cfg.generation.engine
     inference_config = InferenceConfig(
         block_size_tokens=sizing.block_size_tokens,
@@ -100,13 +99,37 @@ def build_engine(model, policy_cfg: PolicyConfig):
     )
     with cpu_runtime.device_scope():
         context = DynamicInferenceContext(model.config, inference_config)
-        controller_class = TextGenerationController
-        if policy_cfg.generation.spec_verification == "rejection_sampling":
-            controller_class = RejectionSamplingController
-        controller = controller_class(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
+        controller = controller_class(model, policy_cfg.generation)(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
         engine = DynamicInferenceEngine(controller=controller, context=context)
     InferenceMode.unset_active()
     return engine
+
+
+def controller_class(model, generation_cfg: GenerationConfig) -> type:
+    """megatron's TextGenerationController, verifying drafts as ``spec_verification`` says and
+    drafting from each request's sequence where ``draft_context`` asks for it and the installed
+    engine's draft step cannot see a request's earlier positions (:mod:`sequence_drafts`)."""
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    from nemo_rl_mtp.models.generation.spec_verification import RejectionSamplingController
+
+    verifying = {"exact_match": TextGenerationController, "rejection_sampling": RejectionSamplingController}
+    chosen = verifying[generation_cfg.spec_verification]
+    if generation_cfg.num_speculative_tokens == 0 or generation_cfg.draft_context != "sequence":
+        return chosen
+    if sequence_drafts.upstream_drafts_have_context(model):
+        logger.info("MTP drafts: the installed engine's draft step reads a request's context; using it as is")
+        return chosen
+    with rollout_mode(model):
+        leak = sequence_drafts.serial_step_leak(model)
+    logger.info(
+        "MTP drafts: megatron-core's serial draft step sees one position per request (a draft's logits moved by %.1e "
+        "when another request's input changed); drafting from each request's sequence instead",
+        leak,
+    )
+    return sequence_drafts.with_sequence_drafts(chosen)
 
 
 class TokenIdsAsText:
