@@ -11,37 +11,19 @@ from megatron.core.inference.utils import InferenceMode
 
 from nemo_rl_mtp.algorithms.imitation import imitation_step
 from nemo_rl_mtp.data.demonstrations import task_demonstrations
-from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics
 from nemo_rl_mtp.models.megatron.inference import compute_logprobs
 from tests.helpers import VOCAB_SIZE, make_policy, recompute_sampler, response_mask, tiny_config
+from tests.unit.models.generation.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides
+from tests.unit.models.generation.engine_cases import generate as _generate
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
-TOKENIZER = DigitTokenizer()
-PROMPTS = [TOKENIZER.encode_prompt(digits) for digits in ([1, 2], [3, 4, 5], [6], [7, 8, 9, 0])] * 2
-
-
-def _overrides(num_speculative_tokens: int, mtp_num_layers: int = 2, **overrides) -> dict:
-    return {
-        "megatron_cfg__mtp_num_layers": mtp_num_layers,
-        "generation__num_speculative_tokens": num_speculative_tokens,
-        "generation__max_new_tokens": 12,
-        "max_total_sequence_length": 24,
-        "train_micro_batch_size": 4,
-        "train_global_batch_size": 8,
-        **overrides,
-    }
-
 
 def _policy(num_speculative_tokens: int, mtp_num_layers: int = 2, **overrides):
-    policy, cfg = make_policy(**_overrides(num_speculative_tokens, mtp_num_layers, **overrides))
+    policy, cfg = make_policy(**engine_overrides(num_speculative_tokens, mtp_num_layers, **overrides))
     return policy, cfg, RolloutEngine(policy, cfg)
-
-
-def _generate(engine, prompts=PROMPTS, seed=0):
-    return engine.generate(prompts, TOKENIZER.eos_id, TOKENIZER.pad_id, seed)
 
 
 def _training_batch(rollouts):
@@ -52,7 +34,6 @@ def _training_batch(rollouts):
         "token_mask": mask.float(),
         "sample_mask": torch.ones(rollouts["tokens"].shape[0]),
     }
-
 
 @pytest.mark.parametrize("num_speculative_tokens", [0, 1, 2])
 def test_greedy_rollouts_equal_a_full_forward_greedy_reference(num_speculative_tokens):
@@ -156,24 +137,11 @@ def _chi_square_quantile(degrees_of_freedom: int, z: float) -> float:
     return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
 
 
-SIZES = {"generation__max_new_tokens": 5, "train_micro_batch_size": 64, "train_global_batch_size": 64, "megatron_cfg__optimizer__lr": 3e-3}
 SAME_PROMPT = [TOKENIZER.encode_prompt([3, 7])] * 400
 
 
-@pytest.fixture(scope="module")
-def trained_policy(megatron_world):
-    """A policy whose heads were trained (imitation of count_up) until drafts are often right."""
-    policy, cfg = make_policy(**_overrides(2, **SIZES))
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(40):
-        lengths = torch.randint(2, 4, (64,), generator=generator)
-        digits = [torch.randint(0, 10, (int(n),), generator=generator).tolist() for n in lengths]
-        imitation_step(policy, task_demonstrations("count_up", digits, TOKENIZER), cfg)
-    return policy
-
-
 def _engine(policy, k: int, **overrides) -> RolloutEngine:
-    return RolloutEngine(policy, tiny_config(**_overrides(k, **SIZES, **overrides)).policy)
+    return RolloutEngine(policy, tiny_config(**engine_overrides(k, **SIZES, **overrides)).policy)
 
 
 @pytest.mark.slow
@@ -219,7 +187,7 @@ def test_rejection_sampling_accepts_more_drafts_than_exact_match_at_temperature_
 @pytest.mark.slow
 def test_rejection_sampling_rollout_logprobs_are_the_policys(trained_policy):
     """Not the drafts': the training pass over the same tokens gives the same log-probs."""
-    cfg = tiny_config(**_overrides(2, **SIZES, generation__temperature=0.8)).policy
+    cfg = tiny_config(**engine_overrides(2, **SIZES, generation__temperature=0.8)).policy
     rollouts = _generate(RolloutEngine(trained_policy, cfg), SAME_PROMPT[:64], seed=4)
     assert rollouts["draft_accepted"].sum() > 0
     mask, batch = _training_batch(rollouts)

@@ -1,0 +1,19 @@
+import pytest
+import torch
+
+from nemo_rl_mtp.algorithms.imitation import imitation_step
+from nemo_rl_mtp.data.demonstrations import task_demonstrations
+from tests.helpers import make_policy
+from tests.unit.models.generation.engine_cases import SIZES, TOKENIZER, engine_overrides
+
+
+@pytest.fixture(scope="session")
+def trained_policy(megatron_world):
+    """A policy whose heads were trained (imitation of count_up) until drafts are often right."""
+    policy, cfg = make_policy(**engine_overrides(2, **SIZES))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        lengths = torch.randint(2, 4, (64,), generator=generator)
+        digits = [torch.randint(0, 10, (int(n),), generator=generator).tolist() for n in lengths]
+        imitation_step(policy, task_demonstrations("count_up", digits, TOKENIZER), cfg)
+    return policy

@@ -1,0 +1,125 @@
+"""MTP drafts from each request's own sequence, checked against megatron's training forward on
+the real engine (CPU): the drafts' logits, their independence from the batch, and the engine's
+acceptance counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_rl_mtp.models.generation import sequence_drafts
+from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
+from nemo_rl_mtp.models.megatron.data import causal_attention_mask
+from tests.helpers import make_policy, response_mask, tiny_config
+from tests.unit.models.generation.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides, generate
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+GREEDY = {"generation__top_k": 1}
+_DRAW = torch.Generator().manual_seed(7)
+# Prompts the trained heads have not seen as such: 2-3 random digits.
+VARIED_PROMPTS = [TOKENIZER.encode_prompt(torch.randint(0, 10, (2 + i % 2,), generator=_DRAW).tolist()) for i in range(24)]
+
+
+@pytest.fixture
+def recorded_drafts(monkeypatch):
+    """Every draft's logits, keyed by (request id, position of the
+    hidden state it drafts from, depth), as :class:`SequenceDrafts` hands them to the engine."""
+    records = {}
+    draft_step = sequence_drafts.SequenceDrafts.draft_step
+
+    def recording(self, next_token_ids, depth):
+        last_hidden, logits = draft_step(self, next_token_ids, depth)
+        for row, request_id in enumerate(self._round["request_ids"]):
+            records[(request_id, int(self._round["last"][row]), depth)] = logits[row, 0].clone()
+        return last_hidden, logits
+
+    monkeypatch.setattr(sequence_drafts.SequenceDrafts, "draft_step", recording)
+    return records
+
+
+def training_mtp_logits(policy, rollouts) -> list[torch.Tensor]:
+    """Per MTP depth, logits [B, S, V] of megatron's training-mode forward over the finished
+    sequences (the MTP block's own output, through the output layer)."""
+    model, tokens = policy.model.module, rollouts["tokens"]
+    batch, length = tokens.shape
+    captured = []
+    hook = model.mtp.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(
+                input_ids=tokens,
+                position_ids=torch.arange(length).expand(batch, length),
+                attention_mask=causal_attention_mask(length),
+                labels=None,
+                loss_mask=response_mask(rollouts).float(),
+            )
+            depths = captured[0].chunk(1 + model.config.mtp_num_layers, dim=0)[1:]
+            return [model.output_layer(hidden)[0].transpose(0, 1) for hidden in depths]
+    finally:
+        model.train()
+        hook.remove()
+
+
+def test_drafts_equal_the_training_forward_of_the_mtp_heads_at_their_position(trained_policy, recorded_drafts):
+    """Depth d drafting from the hidden state at position j is training's depth-d prediction at
+    j. Depth 1 reads the depth-0 draft where training reads the real token, so it is compared
+    where the two agree (heads trained, so that they often do)."""
+    cfg = tiny_config(**engine_overrides(2, **SIZES, **GREEDY)).policy
+    rollouts = generate(RolloutEngine(trained_policy, cfg), VARIED_PROMPTS)
+    reference = training_mtp_logits(trained_policy, rollouts)
+    compared = [0, 0]
+    for (request, position, depth), logits in recorded_drafts.items():
+        if position + 2 + depth >= rollouts["lengths"][request]:
+            continue  # drafted past the end of the response: never verified
+        if depth == 1 and recorded_drafts[(request, position, 0)].argmax() != rollouts["tokens"][request, position + 2]:
+            continue
+        torch.testing.assert_close(logits, reference[depth][request, position], rtol=0, atol=1e-5)
+        compared[depth] += 1
+    print(f"drafts compared per depth: {compared}")
+    assert compared[0] >= 20 and compared[1] >= 10, compared
+
+
+def test_a_requests_drafts_do_not_depend_on_the_other_requests_of_the_batch(recorded_drafts):
+    """Each prompt alone, then all in one batch: the same drafts at the same positions."""
+    policy, cfg = make_policy(**engine_overrides(2, **GREEDY))
+    engine = RolloutEngine(policy, cfg)
+    alone = {}
+    for index, prompt in enumerate(PROMPTS[:4]):
+        generate(engine, [prompt])
+        alone.update({(index, position, depth): logits for (_, position, depth), logits in recorded_drafts.items()})
+        recorded_drafts.clear()
+    generate(engine, PROMPTS[:4])
+    assert recorded_drafts.keys() == alone.keys() and len(alone) > 20
+    worst = max(float((recorded_drafts[key] - alone[key]).abs().max()) for key in alone)
+    assert worst <= 1e-6, worst
+
+
+def expected_draft_counts(policy, rollouts) -> tuple[int, int]:
+    """Drafts proposed and accepted by greedy decoding with one draft per step, replayed from the
+    training forward alone: the draft from position j predicts token j + 2; accepted, the next one
+    comes from j + 2, else from j + 1; a draft is verified only if its token is in the response."""
+    depth_one = training_mtp_logits(policy, rollouts)[0].argmax(dim=-1)
+    proposed = accepted = 0
+    for row, (prompt_length, length) in enumerate(zip(rollouts["prompt_lengths"].tolist(), rollouts["lengths"].tolist())):
+        position = prompt_length - 1
+        while position + 2 < length:
+            right = bool(depth_one[row, position] == rollouts["tokens"][row, position + 2])
+            proposed, accepted = proposed + 1, accepted + right
+            position += 2 if right else 1
+    return proposed, accepted
+
+
+@pytest.mark.parametrize("draft_context", ["sequence", "single_position"])
+def test_greedy_rollout_acceptance_is_the_training_top1_acceptance_of_the_heads(trained_policy, draft_context):
+    """Heads trained until drafts are often right: the engine's proposed and accepted counts equal
+    those replayed from the training forward's top-1 predictions. megatron's own draft step
+    (single_position) must miss them: its drafts see no context."""
+    cfg = tiny_config(**engine_overrides(1, **SIZES, **GREEDY, generation__draft_context=draft_context)).policy
+    rollouts = generate(RolloutEngine(trained_policy, cfg), VARIED_PROMPTS)
+    measured = (int(rollouts["draft_proposed"][0]), int(rollouts["draft_accepted"][0]))
+    expected = expected_draft_counts(trained_policy, rollouts)
+    print(f"{draft_context}: engine proposed/accepted {measured}, replayed from training {expected}")
+    assert expected[1] > 0.5 * expected[0], f"{expected}: heads too weak for the test to bite"
+    assert (measured == expected) == (draft_context == "sequence")
