@@ -1,13 +1,15 @@
-"""Draft acceptance of exact-match vs rejection-sampling verification, side by side in one run, on
-MTP heads trained during a short GRPO run (the default recipe with two MTP layers), at the
-rollout temperature of RL (1.0).
+"""Draft acceptance of exact-match vs rejection-sampling verification, and of drafts from each
+request's sequence vs megatron's single-position draft step, side by side in one run, on MTP
+heads trained during a short GRPO run (the default recipe with two MTP layers), at the rollout
+temperature of RL (1.0).
 
-    uv run python benchmarks/spec_verification.py [--steps 80] [--prompts 512] [-o benchmarks/spec_verification.png]
+    uv run python benchmarks/spec_verification.py [--steps 80] [--warm-start] [--prompts 512] [-o benchmarks/spec_verification.png]
 
 1. Runs GRPO (Ray workers, as `examples/run_grpo.py` does) and keeps its final checkpoint.
-2. Loads that checkpoint into one in-process policy, builds one engine per (verification, k) over
-   it, and generates the same prompts with each (same seed).
-3. Prints acceptance per draft position and tokens per decode step, and plots them.
+2. Loads that checkpoint into one in-process policy, builds one engine per (draft context,
+   verification, k) over it, and generates the same prompts with each (same seed).
+3. Prints acceptance per draft position, tokens per decode step and generated tokens per second,
+   and plots the acceptance and tokens per step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from nemo_rl_mtp.data.tokenizer import DigitTokenizer  # noqa: E402
 from nemo_rl_mtp.distributed.ray_cluster import shutdown_ray  # noqa: E402
 from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment  # noqa: E402
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine  # noqa: E402
-from nemo_rl_mtp.models.generation.spec_verification import VERIFICATIONS  # noqa: E402
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics  # noqa: E402
 from nemo_rl_mtp.models.megatron.checkpoint import load_policy  # noqa: E402
 from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy  # noqa: E402
@@ -41,8 +42,11 @@ TOKENIZER = DigitTokenizer()
 MTP_LAYERS = 2
 
 
-def trained_run(steps: int, log_dir: str):
-    """The config of a finished GRPO run of ``steps`` steps, whose last checkpoint holds its weights."""
+def trained_run(steps: int, log_dir: str, warm_start: bool):
+    """The config of a finished GRPO run of ``steps`` steps, whose last checkpoint holds its weights:
+    from scratch (a policy early in RL, far from greedy), or with the default recipe's warm start
+    (a policy that has learned the task, with heads that learned it too)."""
+    from_scratch = ["grpo.warmup_imitation_steps=0", "policy.megatron_cfg.optimizer.lr=1e-3"]
     cfg = load_config(
         REPO_ROOT / "examples" / "configs" / "grpo_mtp_tiny_cpu.yaml",
         [
@@ -54,9 +58,7 @@ def trained_run(steps: int, log_dir: str):
             "logger.console=false",
             "logger.wandb_enabled=false",
             "logger.tensorboard_enabled=false",
-            # GRPO from scratch, as measured for the README: a policy early in RL, far from greedy.
-            "grpo.warmup_imitation_steps=0",
-            "policy.megatron_cfg.optimizer.lr=1e-3",
+            *([] if warm_start else from_scratch),
         ],
     )
     history = grpo_train(cfg)
@@ -64,28 +66,34 @@ def trained_run(steps: int, log_dir: str):
     return cfg, history[-1]
 
 
-def engine_config(cfg, k: int, verification: str):
-    """The run's policy config with k drafts verified by ``verification``."""
+DRAFT_CONTEXTS = ("single_position", "sequence")
+VERIFICATIONS = ("exact_match", "rejection_sampling")
+VARIANTS = [(context, verification) for context in DRAFT_CONTEXTS for verification in VERIFICATIONS]
+
+
+def engine_config(cfg, k: int, draft_context: str, verification: str):
+    """The run's policy config with k drafts from ``draft_context``, verified by ``verification``."""
     policy = copy.deepcopy(cfg.policy)
     with read_write(policy):
         policy.generation.num_speculative_tokens = k
+        policy.generation.draft_context = draft_context
         policy.generation.spec_verification = verification
     return policy
 
 
-def measure(policy, cfg, prompts: list[list[int]]) -> dict[tuple[str, int], dict]:
+def measure(policy, cfg, prompts: list[list[int]]) -> dict[tuple[str, str, int], dict]:
     results = {}
-    for k in range(1, MTP_LAYERS + 1):
-        for verification in VERIFICATIONS:
-            engine = RolloutEngine(policy, engine_config(cfg, k, verification))
+    for k in range(0, MTP_LAYERS + 1):
+        for draft_context, verification in VARIANTS if k else [("-", "-")]:
+            engine = RolloutEngine(policy, engine_config(cfg, k, draft_context if k else "sequence", verification if k else "exact_match"))
             start = time.perf_counter()
             rollouts = engine.generate(prompts, TOKENIZER.eos_id, TOKENIZER.pad_id, seed=7)
             seconds = time.perf_counter() - start
             metrics = speculation_metrics(rollouts)
             generated = int((rollouts["lengths"] - rollouts["prompt_lengths"]).sum())
-            results[(verification, k)] = {
+            results[(draft_context, verification, k)] = {
                 "acceptance": [metrics[f"rollout/draft_{i}_acceptance_rate"] for i in range(1, k + 1)],
-                "tokens_per_decode_step": metrics["rollout/tokens_per_decode_step"],
+                "tokens_per_decode_step": metrics.get("rollout/tokens_per_decode_step", 1.0),
                 "tokens_per_s": generated / seconds,
             }
     return results
@@ -94,10 +102,10 @@ def measure(policy, cfg, prompts: list[list[int]]) -> dict[tuple[str, int], dict
 def report(results: dict, trained: dict) -> None:
     training = ", ".join(f"depth {i}: {trained[f'train/mtp/mtp_{i}_acceptance_rate']:.0f}%" for i in range(1, MTP_LAYERS + 1))
     print(f"\nheads after GRPO (reward {trained['train/reward']:.2f}; training-side top-1 MTP acceptance {training})")
-    print(f"{'verification':<20}{'k':>3}{'tok/step':>10}{'tokens/s':>10}  acceptance by draft position")
-    for (verification, k), result in results.items():
+    print(f"{'draft context':<17}{'verification':<20}{'k':>3}{'tok/step':>10}{'tokens/s':>10}  acceptance by draft position")
+    for (draft_context, verification, k), result in results.items():
         shown = " ".join(f"{value:.0f}%" for value in result["acceptance"])
-        print(f"{verification:<20}{k:>3}{result['tokens_per_decode_step']:>10.2f}{result['tokens_per_s']:>10.0f}  {shown}")
+        print(f"{draft_context:<17}{verification:<20}{k:>3}{result['tokens_per_decode_step']:>10.2f}{result['tokens_per_s']:>10.0f}  {shown}")
 
 
 def plot(results: dict, output: Path) -> None:
@@ -106,20 +114,20 @@ def plot(results: dict, output: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (acceptance_axis, steps_axis) = plt.subplots(1, 2, figsize=(10, 4))
-    width = 0.35
-    for offset, verification in enumerate(VERIFICATIONS):
-        rates = results[(verification, MTP_LAYERS)]["acceptance"]
-        positions = [i + offset * width for i in range(len(rates))]
-        acceptance_axis.bar(positions, rates, width, label=verification)
-        per_step = [results[(verification, k)]["tokens_per_decode_step"] for k in range(1, MTP_LAYERS + 1)]
-        steps_axis.bar([k + offset * width for k in range(len(per_step))], per_step, width, label=verification)
-    acceptance_axis.set_xticks([i + width / 2 for i in range(MTP_LAYERS)], [f"draft {i + 1}" for i in range(MTP_LAYERS)])
+    figure, (acceptance_axis, steps_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.2
+    middle = width * (len(VARIANTS) - 1) / 2
+    for offset, (draft_context, verification) in enumerate(VARIANTS):
+        label = f"{verification}, drafts from {'the sequence' if draft_context == 'sequence' else 'one position'}"
+        rates = results[(draft_context, verification, MTP_LAYERS)]["acceptance"]
+        acceptance_axis.bar([i + offset * width for i in range(len(rates))], rates, width, label=label)
+        per_step = [results[(draft_context, verification, k)]["tokens_per_decode_step"] for k in range(1, MTP_LAYERS + 1)]
+        steps_axis.bar([k + offset * width for k in range(len(per_step))], per_step, width, label=label)
+    acceptance_axis.set_xticks([i + middle for i in range(MTP_LAYERS)], [f"draft {i + 1}" for i in range(MTP_LAYERS)])
     acceptance_axis.set_ylabel(f"rollout acceptance, % (k = {MTP_LAYERS})")
-    steps_axis.set_xticks([k + width / 2 for k in range(MTP_LAYERS)], [f"k = {k + 1}" for k in range(MTP_LAYERS)])
+    steps_axis.set_xticks([k + middle for k in range(MTP_LAYERS)], [f"k = {k + 1}" for k in range(MTP_LAYERS)])
     steps_axis.set_ylabel("tokens per decode step")
-    for axis in (acceptance_axis, steps_axis):
-        axis.legend()
+    acceptance_axis.legend(fontsize=7)
     figure.suptitle("MTP draft verification at temperature 1, heads trained during GRPO")
     figure.tight_layout()
     figure.savefig(output, dpi=110)
@@ -129,12 +137,13 @@ def plot(results: dict, output: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--warm-start", action="store_true", help="the default recipe's imitation warm start before GRPO")
     parser.add_argument("--prompts", type=int, default=512)
     parser.add_argument("-o", "--output", type=Path, default=REPO_ROOT / "benchmarks" / "spec_verification.png")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as log_dir:
-        cfg, trained = trained_run(args.steps, log_dir)
+        cfg, trained = trained_run(args.steps, log_dir, args.warm_start)
         initialize_model_parallel(cfg.policy.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{free_port()}")
         policy = setup_megatron_policy(cfg.policy, TOKENIZER.vocab_size)
         load_policy(policy, latest_checkpoint(cfg))

@@ -14,13 +14,13 @@ from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
 from nemo_rl_mtp.models.megatron.train import train_global_batch
 from nemo_rl_mtp.utils.config_schema import PolicyConfig
 
-_IMITATION_LOSS = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.0)
+IMITATION_LOSS = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.0)
 
 
 def imitation_step(policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], policy_cfg: PolicyConfig) -> dict[str, float]:
     """One optimizer step towards the batch's answers; returns the training metrics, MTP loss and
     acceptance per layer included (``mtp_{i}_...``; the tracker is emptied)."""
     batch = {**batch, "prev_logprobs": compute_logprobs(policy, batch, policy_cfg)}
-    metrics, num_microbatches = train_global_batch(policy, batch, _IMITATION_LOSS, policy_cfg)
+    metrics, num_microbatches = train_global_batch(policy, batch, IMITATION_LOSS, policy_cfg)
     metrics.update(get_mtp_metrics(num_microbatches))
     return metrics

@@ -1,6 +1,7 @@
 """A run's log as a picture, by step: reward; MTP loss per layer; MTP acceptance per layer in
-training (solid) next to the rollout's acceptance per draft position (dashed, same colour for
-layer i and draft i); and the tokens a request gains per decode step with speculation.
+training (solid), its rejection-sampling forecast (dotted) and the rollout's acceptance per draft
+position (dashed; same colour for layer i and draft i); and the tokens a request gains per decode
+step with speculation.
 
     uv run python -m nemo_rl_mtp.utils.plot logs/<run>/metrics.jsonl [-o run.png]
 """
@@ -45,8 +46,13 @@ def plot_run(metrics_path: Path, output_path: Path) -> Path:
         colour = f"C{layer - 1}"
         loss_axis.plot(*series(f"train/mtp/mtp_{layer}_loss"), color=colour, label=f"MTP layer {layer}")
         acceptance_axis.plot(
-            *series(f"train/mtp/mtp_{layer}_acceptance_rate"), color=colour, label=f"training, MTP layer {layer}"
+            *series(f"train/mtp/mtp_{layer}_acceptance_rate"), color=colour, label=f"training top-1, MTP layer {layer}"
         )
+        if any(f"train/mtp/mtp_{layer}_expected_acceptance" in row for row in rows):
+            acceptance_axis.plot(
+                *series(f"train/mtp/mtp_{layer}_expected_acceptance"), color=colour, linestyle=":",
+                label=f"forecast (rejection sampling), layer {layer}",
+            )
     for draft in drafts:
         acceptance_axis.plot(
             *series(f"rollout/draft_{draft}_acceptance_rate"), color=f"C{draft - 1}", linestyle="--",

@@ -25,8 +25,6 @@ from __future__ import annotations
 import torch
 from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
-VERIFICATIONS = ("exact_match", "rejection_sampling")
-
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Speculative sampling for N requests with k drafts each.

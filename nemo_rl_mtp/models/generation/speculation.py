@@ -2,10 +2,13 @@
 it, and the acceptance metrics of a rollout.
 
 The path, step by step (all of it inside the engine, over the live training model):
-  1. drafts        - after each verified step the MTP layers run serially on the hidden state of
-                     the last accepted token: depth d proposes draft d + 1 from the token before
-                     it, sampled with the request's sampling parameters (``num_speculative_tokens``
-                     drafts per request; a repeated MTP layer may propose more than it has layers)
+  1. drafts        - after each verified step the MTP layers run serially from the last accepted
+                     token: depth d proposes draft d + 1 from the token before it, sampled with the
+                     request's sampling parameters (``num_speculative_tokens`` drafts per request;
+                     a repeated MTP layer may propose more than it has layers). With
+                     ``draft_context: sequence`` (default, :mod:`sequence_drafts`) each depth runs
+                     over the request's whole verified sequence, as in training; megatron's own
+                     step (``single_position``) sees the last position only
   2. verification  - the next forward pass runs the policy over [last token, drafts] at once.
                      ``spec_verification: rejection_sampling`` (default, :mod:`spec_verification`)
                      accepts draft x with probability min(1, p(x)/q(x)) and draws the token at the

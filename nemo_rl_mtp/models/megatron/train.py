@@ -6,6 +6,8 @@ The MTP path, step by step:
   3. ``forward_step``            - the mask goes in as megatron's ``loss_mask``, ``labels=None``
   4. ``mtp_grad_scale``          - MTP gradient normalised like the policy loss, for this step only
   5. ``get_mtp_metrics``         - per-layer loss and acceptance after the step (common.py)
+  6. ``expected_acceptance_sums`` - per depth, the acceptance rejection sampling would reach
+                                  (acceptance_forecast.py)
 
 Normalisation. The policy loss of a microbatch is its token sum divided by G, the number of valid
 tokens in the whole global batch (all microbatches, all data-parallel ranks); DDP sums gradients
@@ -34,6 +36,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from nemo_rl_mtp.models.megatron import cpu_runtime
+from nemo_rl_mtp.models.megatron.acceptance_forecast import (
+    expected_acceptance_sums,
+    forecast_targets,
+    recording_mtp_logits,
+    with_expected_acceptance,
+)
 from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage
 from nemo_rl_mtp.models.megatron.data import (
     Microbatch,
@@ -84,7 +92,7 @@ def forward_backward_global_batch(
             ),
             forward_only=False,
         )
-    metrics = sum_over_global_batch(microbatch_metrics, device)
+    metrics = with_expected_acceptance(sum_over_global_batch(microbatch_metrics, device))
     metrics["global_valid_tokens"] = float(global_tokens)
     if mtp_enabled(config):
         metrics["mtp/grad_norm"] = mtp_gradient_norm(model)
@@ -148,10 +156,14 @@ def forward_step(
     temperature: float,
     vocab_size: int,
 ):
-    """megatron's ``forward_step_func`` for training."""
+    """megatron's ``forward_step_func`` for training; the MTP logits are recorded for the
+    acceptance forecast."""
     microbatch = next(data_iterator)
-    logits = model_forward(model, microbatch)
-    return logits, partial(policy_loss, microbatch, loss_fn, global_valid_tokens, temperature, vocab_size)
+    targets = forecast_targets(microbatch.mtp_loss_mask, microbatch.packed_seq_params, model.module.config.mtp_num_layers)
+    with recording_mtp_logits(model.module, targets) as mtp_logits:
+        logits = model_forward(model, microbatch)
+    forecast = partial(expected_acceptance_sums, mtp_logits=mtp_logits, targets=targets, temperature=temperature, vocab_size=vocab_size)
+    return logits, partial(policy_loss, microbatch, loss_fn, global_valid_tokens, temperature, vocab_size, forecast)
 
 
 def model_forward(model, microbatch: Microbatch) -> torch.Tensor:
@@ -173,10 +185,16 @@ def policy_loss(
     global_valid_tokens: torch.Tensor,
     temperature: float,
     vocab_size: int,
+    forecast: Callable[[torch.Tensor], dict[str, torch.Tensor]],
     logits,
 ):
+    """The policy loss of one microbatch and its metrics, with the sums of the MTP acceptance
+    forecast (``acceptance_forecast``; computed first: the loss may not leave the logits as is)."""
+    with torch.no_grad():
+        forecast_sums = forecast(logits)
     logprobs = token_logprobs(logits, microbatch.loss_inputs["target_ids"], temperature, vocab_size)
     loss, metrics = loss_fn(logprobs, microbatch.loss_inputs, global_valid_tokens)
+    metrics.update(forecast_sums)
     num_tokens = microbatch.loss_inputs["loss_mask"].sum().to(torch.int)
     # Three values: under calculate_per_token_loss megatron leaves the (pre-normalised) loss as is.
     return loss, num_tokens, metrics

@@ -9,11 +9,12 @@ import pytest
 import torch
 from megatron.core.inference.utils import InferenceMode
 
-from nemo_rl_mtp.algorithms.imitation import imitation_step
+from nemo_rl_mtp.algorithms.imitation import IMITATION_LOSS, imitation_step
 from nemo_rl_mtp.data.demonstrations import task_demonstrations
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics
 from nemo_rl_mtp.models.megatron.inference import compute_logprobs
+from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from tests.helpers import VOCAB_SIZE, make_policy, recompute_sampler, response_mask, tiny_config
 from tests.unit.models.generation.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides
 from tests.unit.models.generation.engine_cases import generate as _generate
@@ -199,3 +200,24 @@ def _chi_square_test(first: torch.Tensor, second: torch.Tensor) -> tuple[bool, s
     statistic, dof = _chi_square_homogeneity(first, second)
     threshold = _chi_square_quantile(dof, z=3.09) if dof > 0 else math.inf
     return statistic < threshold, f"chi2={statistic:.1f} dof={dof} threshold={threshold:.1f}"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_forecast_of_acceptance_matches_the_rollouts_rejection_sampling(trained_policy, temperature):
+    """The training step's ``mtp/mtp_1_expected_acceptance`` on a batch of rollouts against the
+    acceptance rejection sampling measured producing them: equal within four standard errors of
+    the measured rate (the forecast also counts the first response token, which no draft targets)."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [TOKENIZER.encode_prompt(torch.randint(0, 10, (2 + i % 2,), generator=generator).tolist()) for i in range(512)]
+    cfg = tiny_config(**engine_overrides(1, **{**SIZES, "train_global_batch_size": 128}, generation__temperature=temperature)).policy
+    rollouts = _generate(RolloutEngine(trained_policy, cfg), prompts, seed=1)
+    drafts, accepted = int(rollouts["draft_proposed"][0]), int(rollouts["draft_accepted"][0])
+    measured = 100.0 * accepted / drafts
+    mask, batch = _training_batch(rollouts)
+    batch["advantages"] = mask.float()
+    batch["prev_logprobs"] = compute_logprobs(trained_policy, batch, cfg)
+    metrics, _ = forward_backward_global_batch(trained_policy, batch, IMITATION_LOSS, cfg)
+    forecast = metrics["mtp/mtp_1_expected_acceptance"]
+    standard_error = 100.0 * math.sqrt(measured / 100 * (1 - measured / 100) / drafts)
+    print(f"T={temperature}: measured {measured:.1f}% of {drafts} drafts, forecast {forecast:.1f}%, 4 SE = {4 * standard_error:.1f}")
+    assert abs(forecast - measured) < 4 * standard_error

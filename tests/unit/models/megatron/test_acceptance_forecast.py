@@ -1,0 +1,75 @@
+"""The trainer-side forecast of rollout acceptance (``mtp/mtp_{i}_expected_acceptance``) on a real
+megatron-core training step (CPU), against an overlap computed position by position from megatron's
+forward. Microbatch and packing invariance are covered with every other step metric in
+test_mtp_training_step.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_rl_mtp.models.megatron.data import causal_attention_mask
+from tests.helpers import make_batch, make_policy
+from tests.unit.models.megatron.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES, run_step
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+
+def forward_logits(policy, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The policy's logits [B, S, V] and each MTP depth's [B, S, V], from one eval-mode forward of
+    megatron's GPTModel over the plain rows (the MTP block's output through the output layer)."""
+    model, tokens = policy.model.module, batch["input_ids"]
+    rows, length = tokens.shape
+    captured = []
+    hook = model.mtp.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(
+                input_ids=tokens,
+                position_ids=torch.arange(length).expand(rows, length),
+                attention_mask=causal_attention_mask(length),
+                labels=None,
+                loss_mask=batch["token_mask"].float(),
+            )
+            depths = captured[0].chunk(1 + model.config.mtp_num_layers, dim=0)[1:]
+            return logits, [model.output_layer(hidden)[0].transpose(0, 1) for hidden in depths]
+    finally:
+        model.train()
+        hook.remove()
+
+
+def reference_forecast(policy, batch, temperature: float) -> list[tuple[float, int]]:
+    """Per depth k (0-based): mean over response tokens t of valid samples with t >= k + 2 of
+    sum_x min(p(x), q(x)), p the policy's softmax at t - 1 and q depth k's at t - 2 - k, both at
+    ``temperature`` over the tokenizer's ids; and the number of such targets."""
+    logits, mtp_logits = forward_logits(policy, batch)
+    vocab = policy.vocab_size
+    results = []
+    for depth, draft_logits in enumerate(mtp_logits):
+        overlaps = []
+        for row, target in (batch["token_mask"] * batch["sample_mask"][:, None]).nonzero().tolist():
+            if target < depth + 2:
+                continue
+            p = torch.softmax(logits[row, target - 1, :vocab] / temperature, dim=-1)
+            q = torch.softmax(draft_logits[row, target - 2 - depth, :vocab] / temperature, dim=-1)
+            overlaps.append(float(torch.minimum(p, q).sum()))
+        results.append((100.0 * sum(overlaps) / len(overlaps), len(overlaps)))
+    return results
+
+
+@pytest.mark.parametrize("mtp_num_layers, temperature", [(1, 1.0), (2, 0.7)])
+def test_forecast_is_the_mean_overlap_of_policy_and_head_over_the_mtp_targets(mtp_num_layers, temperature):
+    batch = make_batch(RAGGED_RESPONSES, prompt_length=1, sample_mask=[1, 1, 1, 0, 1, 1, 1, 1])
+    policy, cfg = make_policy(
+        megatron_cfg__mtp_num_layers=mtp_num_layers,
+        train_micro_batch_size=4,
+        train_global_batch_size=8,
+        generation__temperature=temperature,
+    )
+    expected = reference_forecast(policy, batch, temperature)
+    metrics, _ = run_step(policy, cfg, batch, PG_LOSS)
+    for depth, (forecast, targets) in enumerate(expected, start=1):
+        assert metrics[f"mtp/mtp_{depth}_expected_acceptance"] == pytest.approx(forecast, abs=1e-4)
+        assert metrics[f"mtp_{depth}_target_tokens"] == targets  # megatron's own count of the same targets
+    assert 0 < expected[0][0] < 100
