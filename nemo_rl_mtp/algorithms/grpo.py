@@ -97,9 +97,11 @@ def preflight_checks(cfg: MasterConfig) -> None:
             "(it needs CUDA); install it on the GPU nodes or use transformer_impl=auto"
         )
     from nemo_rl_mtp.models.megatron.compat import check_mtp_features_supported
+    from nemo_rl_mtp.models.megatron.moe import check_moe_supported
 
     try:
         check_mtp_features_supported(cfg.policy.megatron_cfg)
+        check_moe_supported(cfg.policy.megatron_cfg)
         check_speculation_supported(cfg.policy.generation, cfg.policy.megatron_cfg)
     except ValueError as error:
         raise ConfigError(str(error)) from None

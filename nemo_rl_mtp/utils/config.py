@@ -28,6 +28,8 @@ _CHOICES = {
     "policy.megatron_cfg.position_embedding_type": {"rope", "learned_absolute"},
     "policy.megatron_cfg.recompute_granularity": {None, "full", "selective"},
     "policy.megatron_cfg.recompute_method": {None, "uniform", "block"},
+    "policy.megatron_cfg.moe_router_load_balancing_type": {"aux_loss", "seq_aux_loss", "none"},
+    "policy.megatron_cfg.moe_token_dispatcher_type": {"allgather", "alltoall"},
     "policy.generation.spec_verification": {"exact_match", "rejection_sampling"},
     "policy.generation.draft_context": {"sequence", "single_position"},
     "env.task": {"reverse", "sort", "count_up"},
@@ -63,6 +65,10 @@ _RANGES = {
     "policy.megatron_cfg.rotary_base": (1, True, None, False),
     "policy.megatron_cfg.mtp_num_layers": (0, True, None, False),
     "policy.megatron_cfg.mtp_loss_scaling_factor": (0.0, True, None, False),
+    "policy.megatron_cfg.num_moe_experts": (0, True, None, False),
+    "policy.megatron_cfg.moe_router_topk": (1, True, None, False),
+    "policy.megatron_cfg.moe_ffn_hidden_size": (1, True, None, False),
+    "policy.megatron_cfg.moe_aux_loss_coeff": (0.0, True, None, False),
     "policy.megatron_cfg.optimizer.lr": (0.0, False, None, False),
     "policy.megatron_cfg.optimizer.weight_decay": (0.0, True, None, False),
     "policy.megatron_cfg.optimizer.adam_beta1": (0.0, True, 1.0, False),
@@ -152,6 +158,12 @@ def validate_config(cfg: DictConfig) -> None:
             megatron.recompute_method,
             "recompute_granularity=full needs recompute_method and recompute_num_layers",
         )
+    _require(
+        not megatron.num_moe_experts or megatron.moe_router_topk <= megatron.num_moe_experts,
+        "policy.megatron_cfg.moe_router_topk",
+        megatron.moe_router_topk,
+        f"must be at most num_moe_experts={megatron.num_moe_experts}",
+    )
     _require(
         not megatron.sequence_parallel or megatron.tensor_model_parallel_size > 1,
         "policy.megatron_cfg.sequence_parallel",

@@ -47,6 +47,12 @@ class MegatronConfig:
     mtp_loss_scaling_factor: float
     mtp_use_repeated_layer: bool
     mtp_detach_heads: bool
+    num_moe_experts: int
+    moe_router_topk: int
+    moe_ffn_hidden_size: Optional[int]
+    moe_router_load_balancing_type: str
+    moe_aux_loss_coeff: float
+    moe_token_dispatcher_type: str
     optimizer: OptimizerConfig
 
 

@@ -22,6 +22,7 @@ run_grpo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(run_grpo)
 
 SMALL = SMALL_GRPO_STEP
+MOE_RECIPE = REPO_ROOT / "examples" / "configs" / "grpo_mtp_moe_tiny_cpu.yaml"
 STEPS = 3
 # Wall-clock dependent: not expected to agree between runs.
 TIMING_KEYS = ("timing/", "rollout/tokens_per_s")
@@ -50,6 +51,9 @@ def runs(tmp_path_factory):
         # data-parallel layouts are compared on greedy rollouts.
         "greedy": greedy,
         "greedy_dp2": ["cluster.workers_per_node=2", *greedy],
+        # The tiny MoE recipe (MoE trunk and MTP layer), on one worker and on two data-parallel ones.
+        "moe_greedy": ["--config", str(MOE_RECIPE), *greedy],
+        "moe_greedy_dp2": ["--config", str(MOE_RECIPE), "cluster.workers_per_node=2", *greedy],
     }
     from nemo_rl_mtp.distributed.ray_cluster import init_ray
     from nemo_rl_mtp.utils.config import load_config
@@ -117,11 +121,17 @@ def test_wandb_offline_run_holds_the_mtp_series(runs):
         assert series == pytest.approx([row[key] for row in jsonl]), key
 
 
+def test_moe_recipe_trains_the_mtp_head_and_logs_the_router_loss(runs):
+    for row in read_metrics(runs["moe_greedy"] / "metrics.jsonl"):
+        assert row["train/moe/load_balancing_loss"] > 0
+        assert row["train/mtp/mtp_1_loss"] > 0 and row["train/mtp/grad_norm"] > 0
+
+
 def test_tensorboard_events_written(runs):
     assert list((runs["mtp1"] / "tensorboard").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize("one, two", [("greedy", "greedy_dp2"), ("mtp1", "mtp1_tp2")])
+@pytest.mark.parametrize("one, two", [("greedy", "greedy_dp2"), ("mtp1", "mtp1_tp2"), ("moe_greedy", "moe_greedy_dp2")])
 def test_data_and_tensor_parallel_two_give_the_same_metrics_as_one_worker(runs, one, two):
     """Same global batch, same initial weights (TP splits the same initial matrices), same draws."""
     one = read_metrics(runs[one] / "metrics.jsonl")

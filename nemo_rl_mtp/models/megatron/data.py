@@ -13,6 +13,8 @@ belongs to token ``t``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,6 +35,8 @@ class Microbatch:
     packed_seq_params: Optional[PackedSeqParams]
     # megatron's ``loss_mask`` for the MTP loss (token-aligned; megatron rolls it). None: MTP off.
     mtp_loss_mask: Optional[torch.Tensor]
+    # True on padding (row padding, or pack padding): MoE routers leave it out of their statistics.
+    padding_mask: Optional[torch.Tensor] = None
     # Position-aligned inputs of the policy loss: entry p concerns the token predicted at p.
     # Always holds ``target_ids`` and ``loss_mask`` (response tokens of valid samples).
     loss_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -47,24 +51,23 @@ class Microbatch:
 
         params = self.packed_seq_params
         if params is not None:
-            params = PackedSeqParams(
-                qkv_format=params.qkv_format,
+            params = dataclasses.replace(
+                params,
                 cu_seqlens_q=move(params.cu_seqlens_q),
                 cu_seqlens_kv=move(params.cu_seqlens_kv),
                 cu_seqlens_q_padded=move(params.cu_seqlens_q_padded),
                 cu_seqlens_kv_padded=move(params.cu_seqlens_kv_padded),
-                max_seqlen_q=params.max_seqlen_q,
-                max_seqlen_kv=params.max_seqlen_kv,
             )
-        return Microbatch(
+        return dataclasses.replace(
+            self,
             input_ids=move(self.input_ids),
             position_ids=move(self.position_ids),
             attention_mask=move(self.attention_mask),
             packed_seq_params=params,
             mtp_loss_mask=move(self.mtp_loss_mask),
+            padding_mask=move(self.padding_mask),
             loss_inputs={key: move(value) for key, value in self.loss_inputs.items()},
             source_index=move(self.source_index),
-            rows_shape=self.rows_shape,
         )
 
 
@@ -136,7 +139,7 @@ def build_microbatches(
         if pack_sequences:
             microbatches.append(_packed_microbatch(chunk, chunk_lengths, multiple, cp_rank, cp_size))
         else:
-            microbatches.append(_unpacked_microbatch(chunk, seq_length))
+            microbatches.append(_unpacked_microbatch(chunk, chunk_lengths, seq_length))
     return microbatches
 
 
@@ -183,13 +186,14 @@ def _fit_length(tensor: torch.Tensor, seq_length: int) -> torch.Tensor:
 _MODEL_KEYS = ("input_ids", "position_ids", "mtp_loss_mask")
 
 
-def _unpacked_microbatch(rows: dict[str, torch.Tensor], seq_length: int) -> Microbatch:
+def _unpacked_microbatch(rows: dict[str, torch.Tensor], lengths: list[int], seq_length: int) -> Microbatch:
     return Microbatch(
         input_ids=rows["input_ids"],
         position_ids=rows["position_ids"],
         attention_mask=causal_attention_mask(seq_length),
         packed_seq_params=None,
         mtp_loss_mask=rows.get("mtp_loss_mask"),
+        padding_mask=torch.arange(seq_length)[None, :] >= torch.tensor(lengths)[:, None],
         loss_inputs={key: value for key, value in rows.items() if key not in _MODEL_KEYS},
     )
 
@@ -216,6 +220,7 @@ def _packed_microbatch(
         attention_mask=None,
         packed_seq_params=params,
         mtp_loss_mask=packed.get("mtp_loss_mask"),
+        padding_mask=(source_index < 0).unsqueeze(0),
         loss_inputs={key: value for key, value in packed.items() if key not in _MODEL_KEYS},
         source_index=source_index,
         rows_shape=tuple(rows["input_ids"].shape),

@@ -18,7 +18,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from nemo_rl_mtp.models.megatron import compat, cpu_runtime
+from nemo_rl_mtp.models.megatron import compat, cpu_runtime, moe
 from nemo_rl_mtp.models.megatron.packed_attention import PackedSequenceDotProductAttention
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ def initialize_model_parallel(megatron_cfg, rank: int, world_size: int, init_met
 
 def build_transformer_config(megatron_cfg) -> TransformerConfig:
     compat.check_mtp_features_supported(megatron_cfg)
+    moe.check_moe_supported(megatron_cfg)
     dtype = _DTYPES[megatron_cfg.params_dtype]
     swiglu = megatron_cfg.activation == "swiglu"
     config_kwargs = dict(
@@ -93,6 +94,7 @@ def build_transformer_config(megatron_cfg) -> TransformerConfig:
         use_cpu_initialization=not cpu_runtime.cuda_available(),
     )
     _apply_mtp_config(config_kwargs, megatron_cfg)
+    config_kwargs.update(moe.moe_config_kwargs(megatron_cfg))
     return TransformerConfig(**config_kwargs)
 
 
@@ -140,8 +142,8 @@ def build_layer_spec(transformer_impl: str, config: TransformerConfig):
     if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization=config.normalization)
     # The local spec's attention rejects packed sequences; ours handles them (see packed_attention).
     spec.submodules.self_attention.submodules.core_attention = PackedSequenceDotProductAttention
     return spec
@@ -184,10 +186,11 @@ def build_model(
     with cpu_runtime.device_scope():
         ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     logger.info(
-        "built GPTModel (%s spec): %d parameters, MTP layers: %s",
+        "built GPTModel (%s spec): %d parameters, MTP layers: %s, experts per MoE layer: %s",
         transformer_impl,
         sum(p.numel() for p in model.parameters()),
         config.mtp_num_layers or 0,
+        config.num_moe_experts or "none (dense)",
     )
     return ddp_model, transformer_impl
 

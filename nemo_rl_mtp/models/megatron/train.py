@@ -35,7 +35,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-from nemo_rl_mtp.models.megatron import cpu_runtime
+from nemo_rl_mtp.models.megatron import cpu_runtime, moe
 from nemo_rl_mtp.models.megatron.acceptance_forecast import (
     expected_acceptance_sums,
     forecast_targets,
@@ -76,10 +76,11 @@ def forward_backward_global_batch(
         batch = {**batch, "mtp_loss_mask": compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"])}
     device = cpu_runtime.compute_device()
     global_tokens = count_global_valid_tokens(batch, device)
+    router_tokens = moe.count_global_router_tokens(batch, device) if moe.moe_enabled(config) else None
     microbatches = microbatches_for_this_rank(batch, policy_cfg, device)
     model.zero_grad_buffer()
     policy.optimizer.zero_grad()
-    with cpu_runtime.device_scope(), mtp_grad_scale(config, global_tokens):
+    with cpu_runtime.device_scope(), mtp_grad_scale(config, global_tokens), moe.moe_grad_scale(config, router_tokens):
         microbatch_metrics = run_schedule(
             model,
             microbatches,
@@ -93,6 +94,7 @@ def forward_backward_global_batch(
             forward_only=False,
         )
     metrics = with_expected_acceptance(sum_over_global_batch(microbatch_metrics, device))
+    metrics.update(moe.get_moe_metrics(config, len(microbatches)))
     metrics["global_valid_tokens"] = float(global_tokens)
     if mtp_enabled(config):
         metrics["mtp/grad_norm"] = mtp_gradient_norm(model)
@@ -168,7 +170,9 @@ def forward_step(
 
 def model_forward(model, microbatch: Microbatch) -> torch.Tensor:
     """Logits ``[b, s, v/tp]``; the MTP mask goes in as megatron's ``loss_mask`` with no labels
-    (RL mode: megatron derives the MTP labels by rolling ``input_ids``)."""
+    (RL mode: megatron derives the MTP labels by rolling ``input_ids``); MoE routers get the
+    padding mask."""
+    moe_inputs = {"padding_mask": microbatch.padding_mask} if moe.moe_enabled(model.module.config) else {}
     return model(
         input_ids=microbatch.input_ids,
         position_ids=microbatch.position_ids,
@@ -176,6 +180,7 @@ def model_forward(model, microbatch: Microbatch) -> torch.Tensor:
         packed_seq_params=microbatch.packed_seq_params,
         labels=None,
         loss_mask=microbatch.mtp_loss_mask,
+        **moe_inputs,
     )
 
 

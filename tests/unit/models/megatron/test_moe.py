@@ -1,0 +1,106 @@
+"""Mixture-of-experts trunks with MoE MTP layers on real megatron-core (CPU, local spec, allgather
+dispatcher): they train, and the router's load-balancing loss is normalised like the policy and
+MTP losses."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from nemo_rl_mtp.models.megatron import moe
+from nemo_rl_mtp.models.megatron.data import Microbatch
+from tests.helpers import make_batch, make_policy
+from tests.unit.models.megatron.test_mtp_training_step import BALANCED_RESPONSES, PG_LOSS, run_step, zero_policy_loss
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+MOE = {"megatron_cfg__num_moe_experts": 4, "megatron_cfg__moe_router_topk": 2, "megatron_cfg__mtp_num_layers": 1}
+
+
+def _doubled(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch twice over: every per-token mean (policy, MTP, load statistics) is unchanged."""
+    return {key: torch.cat([value, value]) for key, value in batch.items()}
+
+
+def _router_gradients(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: grad for name, grad in grads.items() if "router" in name}
+
+
+def test_moe_trunk_and_moe_mtp_layer_train():
+    policy, cfg = make_policy(**MOE, train_micro_batch_size=4, train_global_batch_size=8)
+    names = [name for name, _ in policy.model.module.named_parameters()]
+    assert any(name.startswith("decoder.") and ".mlp.experts." in name for name in names)
+    assert any(name.startswith("mtp.") and ".mlp.experts." in name for name in names)  # MoE MTP layer
+    metrics, grads = run_step(policy, cfg, make_batch(BALANCED_RESPONSES), PG_LOSS)
+    assert metrics["mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
+    assert metrics["moe/load_balancing_loss"] > 0
+    assert all(grad.abs().sum() > 0 for grad in _router_gradients(grads).values())
+
+
+def test_load_balancing_gradient_does_not_grow_with_the_batch(monkeypatch):
+    """Policy loss off, MTP loss off: the router gradient is the load-balancing loss's alone. The
+    same batch twice over must give the same gradient, as it does for the policy loss. megatron's
+    own scaling (no ``moe_grad_scale``) doubles it: the defect the normalisation removes."""
+    keys = dict(MOE, megatron_cfg__mtp_loss_scaling_factor=0.0, megatron_cfg__moe_aux_loss_coeff=0.1, train_micro_batch_size=8)
+    batch = make_batch(BALANCED_RESPONSES)
+    gradients = {}
+    for name, rows, scaled in (("once", batch, True), ("twice", _doubled(batch), True), ("twice, unscaled", _doubled(batch), False)):
+        if not scaled:
+            monkeypatch.setattr(moe, "moe_grad_scale", lambda config, tokens: contextlib.nullcontext())
+        policy, cfg = make_policy(**keys, train_global_batch_size=rows["input_ids"].shape[0])
+        gradients[name] = _router_gradients(run_step(policy, cfg, rows, zero_policy_loss)[1])
+    for name, once in gradients["once"].items():
+        assert once.abs().sum() > 0, name
+        torch.testing.assert_close(gradients["twice"][name], once, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(gradients["twice, unscaled"][name] / gradients["twice"][name].abs().sum() * once.abs().sum(), gradients["twice, unscaled"][name])
+    ratio = sum(g.abs().sum() for g in gradients["twice, unscaled"].values()) / sum(g.abs().sum() for g in gradients["twice"].values())
+    assert ratio > 10, f"megatron's own scaling gave {ratio:.1f}x the normalised gradient"
+
+
+@pytest.mark.parametrize("load_balancing", ["aux_loss", "seq_aux_loss"])
+def test_one_microbatch_or_two_give_the_same_gradients_with_load_balancing(load_balancing):
+    """A global batch of two identical halves, as one microbatch or two: policy, MTP and
+    load-balancing gradients and metrics agree (each microbatch sees the same load statistics)."""
+    batch = _doubled(make_batch(BALANCED_RESPONSES))
+    results = []
+    for micro_batch_size in (16, 8):
+        policy, cfg = make_policy(
+            **MOE,
+            megatron_cfg__moe_router_load_balancing_type=load_balancing,
+            megatron_cfg__moe_aux_loss_coeff=0.1,
+            train_micro_batch_size=micro_batch_size,
+            train_global_batch_size=16,
+        )
+        results.append(run_step(policy, cfg, batch, PG_LOSS))
+    (metrics_one, grads_one), (metrics_two, grads_two) = results
+    for name in grads_one:
+        torch.testing.assert_close(grads_two[name], grads_one[name], rtol=1e-4, atol=1e-7, msg=name)
+    for key in metrics_one:
+        assert metrics_two[key] == pytest.approx(metrics_one[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("padding_mask_given", [True, False])
+def test_padding_stays_out_of_the_load_statistics(monkeypatch, padding_mask_given):
+    """Rows padded to the longest sequence vs the same sequences packed without row padding: the
+    trunk's routers must see the same tokens, so every gradient agrees. (MoE MTP layers are left
+    out: megatron rolls the padding mask with them and fills the last position of a row, or of a
+    packed sequence, as a real token, so their statistics differ between the two layouts.)
+    Control: without the padding mask the routers count the row padding, and the layouts differ."""
+    if not padding_mask_given:
+        monkeypatch.setattr(Microbatch, "padding_mask", property(lambda self: None, lambda self, value: None))
+    batch = make_batch([1, 9, 3, 4, 8, 2, 6, 5])
+    results = []
+    for packed in (False, True):
+        policy, cfg = make_policy(
+            **{**MOE, "megatron_cfg__mtp_num_layers": 0},
+            megatron_cfg__moe_aux_loss_coeff=0.1,
+            train_micro_batch_size=4,
+            train_global_batch_size=8,
+            sequence_packing__enabled=packed,
+        )
+        results.append(run_step(policy, cfg, batch, PG_LOSS))
+    (_, unpacked), (_, packed) = results
+    agree = all(torch.allclose(packed[name], unpacked[name], rtol=1e-3, atol=1e-6) for name in unpacked)
+    assert agree == padding_mask_given
