@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf, read_write
 
-from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
+from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn, loss_sample_weights
 from nemo_rl_mtp.data.demonstrations import task_demonstrations
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
@@ -44,8 +44,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize: bool) ->
     return advantages.reshape(-1)
 
 
-def build_train_batch(generation: dict[str, torch.Tensor], advantages: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The policy's training inputs: response tokens (with the end-of-sequence token) are trained."""
+def build_train_batch(generation: dict[str, torch.Tensor], advantages: torch.Tensor, token_level_loss: bool) -> dict[str, torch.Tensor]:
+    """The policy's training inputs: response tokens (with the end-of-sequence token) are trained,
+    each sample weighted for a token- or sequence-level loss (``loss_sample_weights``)."""
     tokens, lengths, prompt_lengths = generation["tokens"], generation["lengths"], generation["prompt_lengths"]
     positions = torch.arange(tokens.shape[1])[None, :]
     token_mask = ((positions >= prompt_lengths[:, None]) & (positions < lengths[:, None])).float()
@@ -53,7 +54,7 @@ def build_train_batch(generation: dict[str, torch.Tensor], advantages: torch.Ten
         "input_ids": tokens,
         "input_lengths": lengths,
         "token_mask": token_mask,
-        "sample_mask": torch.ones(tokens.shape[0]),
+        "sample_mask": loss_sample_weights(token_mask, torch.ones(tokens.shape[0]), token_level_loss),
         "advantages": advantages[:, None].expand_as(token_mask).contiguous(),
     }
 
@@ -331,7 +332,8 @@ def grpo_step(cfg: MasterConfig, step: int, policy, env, tokenizer, loss_fn, pro
     timings["generation_s"] = time.perf_counter() - start
 
     rewards = torch.tensor(env.rewards(digits, responses_of(generation)))
-    batch = build_train_batch(generation, group_advantages(rewards, group_size, grpo.normalize_rewards))
+    advantages = group_advantages(rewards, group_size, grpo.normalize_rewards)
+    batch = build_train_batch(generation, advantages, cfg.loss_fn.token_level_loss)
 
     logprobs_start = time.perf_counter()
     batch["prev_logprobs"] = policy.get_logprobs(batch)

@@ -1,6 +1,11 @@
 """Policy losses. Each returns a loss already normalised by the global valid-token count G
 (response tokens of valid samples, summed over all microbatches and data-parallel ranks), so
-summing the per-microbatch losses over the global batch gives the per-token mean."""
+summing the per-microbatch losses over the global batch gives the per-token mean.
+
+A sequence-level loss (``loss_fn.token_level_loss: false``) is the same sum with each sample's
+tokens weighted 1 / (its token count), folded into ``sample_mask`` (:func:`loss_sample_weights`):
+G then counts samples, and the loss is the mean over samples of each sample's token mean. The MTP
+loss mask is built from the same ``sample_mask``, so the MTP loss follows the same rule."""
 
 from __future__ import annotations
 
@@ -50,3 +55,13 @@ def _k3_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Te
     """Schulman's k3 estimator of KL(policy || reference): exp(r) - r - 1, r = ref - policy."""
     log_ratio = reference_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def loss_sample_weights(token_mask: torch.Tensor, sample_mask: torch.Tensor, token_level_loss: bool) -> torch.Tensor:
+    """``sample_mask`` [B] with each sample's tokens weighted for the loss: unchanged for a
+    token-level mean; divided by the sample's loss tokens (response tokens after the first
+    position, as G counts them) for a sequence-level mean. Samples without loss tokens weigh 0."""
+    if token_level_loss:
+        return sample_mask
+    tokens = token_mask[:, 1:].float().sum(dim=1)
+    return sample_mask.float() * (tokens > 0).float() / tokens.clamp(min=1)

@@ -86,6 +86,7 @@ class PolicyConfig:
     train_global_batch_size: int
     train_micro_batch_size: int
     max_total_sequence_length: int
+    mtp_loss_mask_policy: str
     sequence_packing: SequencePackingConfig
     generation: GenerationConfig
     megatron_cfg: MegatronConfig
@@ -109,6 +110,7 @@ class LossConfig:
     ratio_clip_min: float
     ratio_clip_max: float
     reference_policy_kl_penalty: float
+    token_level_loss: bool
 
 
 @dataclass

@@ -71,12 +71,21 @@ class Microbatch:
         )
 
 
-def compute_mtp_loss_mask(token_mask: torch.Tensor, sample_mask: torch.Tensor) -> torch.Tensor:
-    """Response tokens of valid samples: the tokens the MTP heads learn to predict.
+
+def compute_mtp_loss_mask(
+    token_mask: torch.Tensor, sample_mask: torch.Tensor, advantages: torch.Tensor, mask_policy: str
+) -> torch.Tensor:
+    """The tokens the MTP heads learn to predict ([B, S], weighted like the policy's tokens by
+    ``sample_mask``): the response tokens of valid samples (``all_responses``), or only those of
+    samples with a positive advantage (``positive_advantage``: the drafter imitates the behaviour
+    RL reinforces). ``advantages`` is token-aligned [B, S], constant over a sample's response.
 
     Not shifted: megatron derives MTP labels by rolling ``input_ids`` and rolls this mask with them.
     """
-    return token_mask.float() * sample_mask.float()[:, None]
+    mask = token_mask.float() * sample_mask.float()[:, None]
+    if mask_policy == "positive_advantage":
+        mask = mask * (advantages > 0).float()
+    return mask
 
 
 def policy_loss_mask(token_mask: torch.Tensor, sample_mask: torch.Tensor) -> torch.Tensor:

@@ -72,15 +72,18 @@ def forward_backward_global_batch(
     """Gradients of the global batch's loss (policy + MTP) in the DDP grad buffers, finalised
     (all-reduced over data parallel) by megatron's schedule."""
     model, config = policy.model, policy.config
-    if mtp_enabled(config):
-        batch = {**batch, "mtp_loss_mask": compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"])}
     device = cpu_runtime.compute_device()
     global_tokens = count_global_valid_tokens(batch, device)
+    mtp_tokens = global_tokens
+    if mtp_enabled(config):
+        mtp_mask = compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"], batch["advantages"], policy_cfg.mtp_loss_mask_policy)
+        batch = {**batch, "mtp_loss_mask": mtp_mask}
+        mtp_tokens = count_global_mtp_tokens(mtp_mask, device)
     router_tokens = moe.count_global_router_tokens(batch, device) if moe.moe_enabled(config) else None
     microbatches = microbatches_for_this_rank(batch, policy_cfg, device)
     model.zero_grad_buffer()
     policy.optimizer.zero_grad()
-    with cpu_runtime.device_scope(), mtp_grad_scale(config, global_tokens), moe.moe_grad_scale(config, router_tokens):
+    with cpu_runtime.device_scope(), mtp_grad_scale(config, mtp_tokens), moe.moe_grad_scale(config, router_tokens):
         microbatch_metrics = run_schedule(
             model,
             microbatches,
@@ -98,6 +101,7 @@ def forward_backward_global_batch(
     metrics["global_valid_tokens"] = float(global_tokens)
     if mtp_enabled(config):
         metrics["mtp/grad_norm"] = mtp_gradient_norm(model)
+        metrics["mtp/global_valid_tokens"] = float(mtp_tokens)
     return metrics, len(microbatches)
 
 
@@ -123,6 +127,14 @@ def optimizer_step(policy: MegatronPolicyModel) -> dict[str, float]:
 def count_global_valid_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """G: policy-loss tokens summed over the global batch (one all-reduce over data parallel)."""
     count = local_valid_tokens(batch).to(device=device, dtype=torch.float32)
+    torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
+    return count
+
+
+def count_global_mtp_tokens(mtp_loss_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The MTP loss's G: its mask after megatron's first roll (what megatron counts as N_0),
+    summed over the global batch. Equal to the policy's G unless ``mtp_loss_mask_policy`` gates."""
+    count = mtp_loss_mask[:, 1:].sum().to(device=device, dtype=torch.float32)
     torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
     return count
 

@@ -103,7 +103,7 @@ class MegatronPolicyWorker:
         metrics, num_microbatches = train_global_batch(self.policy, batch, loss_fn, self.policy_cfg)
         mtp_metrics = self._collect_mtp_metrics(num_microbatches)
         if mtp_enabled(self.policy.config):
-            assert_mtp_trained(self.policy.config, mtp_metrics, metrics["mtp/grad_norm"], metrics["global_valid_tokens"])
+            assert_mtp_trained(self.policy.config, mtp_metrics, metrics["mtp/grad_norm"], metrics["mtp/global_valid_tokens"])
         metrics.update(mtp_metrics)
         return metrics
 

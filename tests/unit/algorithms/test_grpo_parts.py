@@ -23,10 +23,13 @@ def test_train_batch_trains_response_tokens_including_end_of_sequence():
         "lengths": torch.tensor([5, 6]),
         "prompt_lengths": torch.tensor([3, 3]),
     }
-    batch = build_train_batch(generation, torch.tensor([0.5, -0.5]))
+    batch = build_train_batch(generation, torch.tensor([0.5, -0.5]), token_level_loss=True)
     assert batch["token_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
     assert batch["advantages"][0].unique().tolist() == [0.5]
     assert torch.equal(batch["sample_mask"], torch.ones(2))
+    # Sequence level: each sample's 2 and 3 response tokens share one unit of weight.
+    sequence_level = build_train_batch(generation, torch.tensor([0.5, -0.5]), token_level_loss=False)
+    assert sequence_level["sample_mask"].tolist() == pytest.approx([1 / 2, 1 / 3])
 
 
 def test_clipped_pg_loss_is_normalised_by_the_global_token_count():

@@ -15,11 +15,19 @@ from nemo_rl_mtp.models.megatron.data import (
 from tests.helpers import make_batch, tiny_config
 
 
+def _all_responses(batch):
+    return compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"], batch["advantages"], "all_responses")
+
+
 def test_mtp_loss_mask_is_response_tokens_of_valid_samples():
     token_mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=torch.float)
     sample_mask = torch.tensor([1.0, 0.0, 1.0])
+    advantages = torch.tensor([-1.0, 1.0, 0.5])[:, None].expand(3, 5)
     expected = torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 1, 1]], dtype=torch.float)
-    assert torch.equal(compute_mtp_loss_mask(token_mask, sample_mask), expected)
+    assert torch.equal(compute_mtp_loss_mask(token_mask, sample_mask, advantages, "all_responses"), expected)
+    # positive_advantage also drops the first sample (advantage -1).
+    expected[0] = 0
+    assert torch.equal(compute_mtp_loss_mask(token_mask, sample_mask, advantages, "positive_advantage"), expected)
 
 
 def _megatron_cfg(**overrides):
@@ -29,7 +37,7 @@ def _megatron_cfg(**overrides):
 
 def test_unpacked_microbatches_pass_the_mask_through_unchanged():
     batch = make_batch([3, 7, 4, 6])
-    batch["mtp_loss_mask"] = compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"])
+    batch["mtp_loss_mask"] = _all_responses(batch)
     microbatches = build_microbatches(batch, 2, False, _megatron_cfg(), cp_rank=0, cp_size=1)
     assert len(microbatches) == 2
     seq_length = int(batch["input_lengths"].max())
@@ -49,7 +57,7 @@ def test_microbatches_without_mtp_carry_no_mask():
 def test_packed_mask_lines_up_with_packed_input_ids(multiple):
     batch = make_batch([3, 7, 1, 6], seq_length=16)
     lengths = batch["input_lengths"].tolist()
-    mask = compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"])
+    mask = _all_responses(batch)
     packed, cu_seqlens, max_seqlen, _ = pack_sequences(
         {"input_ids": batch["input_ids"], "mtp_loss_mask": mask}, lengths, multiple, cp_rank=0, cp_size=1
     )
@@ -70,7 +78,7 @@ def test_context_parallel_split_is_the_same_for_mask_and_input_ids():
     cp_size, multiple = 2, 4
     batch = make_batch([3, 7, 1], seq_length=16)
     lengths = batch["input_lengths"].tolist()
-    mask = compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"])
+    mask = _all_responses(batch)
     rows = {"input_ids": batch["input_ids"], "mtp_loss_mask": mask, "position": torch.arange(16).expand(3, 16)}
     full, cu_seqlens, _, _ = pack_sequences(rows, lengths, multiple, cp_rank=0, cp_size=1)
     shards = [pack_sequences(rows, lengths, multiple, cp_rank=rank, cp_size=cp_size)[0] for rank in range(cp_size)]

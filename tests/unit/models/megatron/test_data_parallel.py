@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from nemo_rl_mtp.algorithms.loss_functions import loss_sample_weights
 from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from tests.helpers import free_port, gradients, make_batch, make_policy
@@ -23,7 +24,13 @@ def _step(policy, cfg, batch):
     return metrics, gradients(policy)
 
 
-def _data_parallel_rank(rank: int, world_size: int, init_method: str, weights_path: str, result_path: str):
+def _batch(token_level_loss: bool) -> dict[str, torch.Tensor]:
+    batch = make_batch(RAGGED_RESPONSES, sample_mask=SAMPLE_MASK)
+    batch["sample_mask"] = loss_sample_weights(batch["token_mask"], batch["sample_mask"], token_level_loss)
+    return batch
+
+
+def _data_parallel_rank(rank: int, world_size: int, init_method: str, weights_path: str, result_path: str, token_level_loss: bool):
     from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel
     from tests.helpers import tiny_config
 
@@ -39,7 +46,7 @@ def _data_parallel_rank(rank: int, world_size: int, init_method: str, weights_pa
     with cpu_runtime.device_scope():
         identical_init = check_param_hashes_across_dp_replicas([policy.model.module], cross_check=True)
     policy.model.module.load_state_dict(torch.load(weights_path))
-    batch = make_batch(RAGGED_RESPONSES, sample_mask=SAMPLE_MASK)
+    batch = _batch(token_level_loss)
     share = slice(rank * 4, (rank + 1) * 4)
     metrics, grads = _step(policy, cfg, {key: value[share] for key, value in batch.items()})
     if rank == 0:
@@ -47,16 +54,18 @@ def _data_parallel_rank(rank: int, world_size: int, init_method: str, weights_pa
 
 
 @pytest.mark.usefixtures("megatron_world")
-def test_data_parallel_two_matches_one(tmp_path):
+@pytest.mark.parametrize("token_level_loss", [True, False])
+def test_data_parallel_two_matches_one(tmp_path, token_level_loss):
+    """Token- and sequence-level losses (the sample weights split with the batch)."""
     policy, cfg = make_policy(**POLICY)
     weights_path = tmp_path / "weights.pt"
     torch.save(policy.model.module.state_dict(), weights_path)
-    metrics_one, grads_one = _step(policy, cfg, make_batch(RAGGED_RESPONSES, sample_mask=SAMPLE_MASK))
+    metrics_one, grads_one = _step(policy, cfg, _batch(token_level_loss))
 
     result_path = tmp_path / "dp2.pt"
     mp.start_processes(
         _data_parallel_rank,
-        args=(2, f"tcp://127.0.0.1:{free_port()}", str(weights_path), str(result_path)),
+        args=(2, f"tcp://127.0.0.1:{free_port()}", str(weights_path), str(result_path), token_level_loss),
         nprocs=2,
         start_method="spawn",
     )
