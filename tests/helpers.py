@@ -121,3 +121,29 @@ def recompute_sampler(
     finally:
         model.train()
     return sequences
+
+
+def eval_forward_logits(policy, tokens: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The policy's logits [B, S, V] and each MTP depth's [B, S, V], from one eval-mode forward of
+    megatron's GPTModel over plain rows (the MTP block's own output, through the output layer)."""
+    from nemo_rl_mtp.models.megatron.data import causal_attention_mask
+
+    model = policy.model.module
+    rows, length = tokens.shape
+    captured = []
+    hook = model.mtp.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(
+                input_ids=tokens,
+                position_ids=torch.arange(length).expand(rows, length),
+                attention_mask=causal_attention_mask(length),
+                labels=None,
+                loss_mask=loss_mask.float(),
+            )
+            depths = captured[0].chunk(1 + model.config.mtp_num_layers, dim=0)[1:]
+            return logits, [model.output_layer(hidden)[0].transpose(0, 1) for hidden in depths]
+    finally:
+        model.train()
+        hook.remove()

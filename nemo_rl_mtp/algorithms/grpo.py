@@ -364,6 +364,7 @@ def grpo_step(cfg: MasterConfig, step: int, policy, env, tokenizer, loss_fn, pro
     }
     for key in train_metrics[0]:
         metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
+    metrics["train/optimizer_steps"] = float(len(train_metrics))
     metrics.update(speculation_metrics(generation))
     metrics.update({f"timing/{key}": value for key, value in timings.items()})
     return metrics

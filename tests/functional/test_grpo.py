@@ -51,6 +51,8 @@ def runs(tmp_path_factory):
         # data-parallel layouts are compared on greedy rollouts.
         "greedy": greedy,
         "greedy_dp2": ["cluster.workers_per_node=2", *greedy],
+        # Two optimizer steps per GRPO step (global batch of 16 out of 32 samples).
+        "two_optimizer_steps": ["policy.train_global_batch_size=16", *quiet],
         # The tiny MoE recipe (MoE trunk and MTP layer), on one worker and on two data-parallel ones.
         "moe_greedy": ["--config", str(MOE_RECIPE), *greedy],
         "moe_greedy_dp2": ["--config", str(MOE_RECIPE), "cluster.workers_per_node=2", *greedy],
@@ -78,9 +80,9 @@ def _mtp_keys(row: dict) -> set[str]:
 def test_mtp_metrics_logged_every_step(runs, name, layers):
     rows = read_metrics(runs[name] / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(STEPS))
-    expected = {"train/mtp/grad_norm"}
+    expected = {"train/mtp/grad_norm", "train/mtp/global_valid_tokens"}
     for layer in range(1, layers + 1):
-        expected |= {f"train/mtp/mtp_{layer}_{name}" for name in ("loss", "acceptance_rate", "target_tokens")}
+        expected |= {f"train/mtp/mtp_{layer}_{name}" for name in ("loss", "acceptance_rate", "target_tokens", "expected_acceptance")}
     for row in rows:
         assert _mtp_keys(row) == expected
         assert all(row[f"train/mtp/mtp_{layer}_target_tokens"] > 0 for layer in range(1, layers + 1))
@@ -119,6 +121,17 @@ def test_wandb_offline_run_holds_the_mtp_series(runs):
         series = [row[key] for row in history if key in row]
         assert len(series) == STEPS, key
         assert series == pytest.approx([row[key] for row in jsonl]), key
+
+
+def test_two_optimizer_steps_per_grpo_step_train_the_second_half_off_policy(runs):
+    """One optimizer step per GRPO step is on-policy: every probability ratio is 1. With two, the
+    second half of the samples meets weights the first step changed."""
+    for row in read_metrics(runs["mtp1"] / "metrics.jsonl"):
+        assert row["train/optimizer_steps"] == 1 and row["train/probs_ratio"] == pytest.approx(1.0, abs=1e-6)
+    for row in read_metrics(runs["two_optimizer_steps"] / "metrics.jsonl"):
+        assert row["train/optimizer_steps"] == 2
+        assert abs(row["train/probs_ratio"] - 1.0) > 1e-5
+        assert row["train/mtp/mtp_1_loss"] > 0 and row["train/mtp/grad_norm"] > 0
 
 
 def test_moe_recipe_trains_the_mtp_head_and_logs_the_router_loss(runs):

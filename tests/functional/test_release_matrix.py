@@ -2,6 +2,9 @@
 (``uv run --with megatron-core==X``): the MTP unit tests pass there, and with the same weights
 and data the MTP loss, acceptance and gradients equal those of 0.19.2.
 
+Per release, the unit tests that must be skipped (and those that must run) are written out in
+``RELEASE_SPECIFIC``: a test that silently skips, or runs where it should not, fails the matrix.
+
 Releases: ``NEMO_RL_MTP_RELEASES`` (space-separated), default 0.16.1 0.17.1 0.18.2 0.19.2.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -40,14 +44,59 @@ def test_every_release_matches_0_19_2():
         assert case["metrics"]["mtp/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("release", [release for release in RELEASES if release != mtp_release_matrix.REFERENCE_RELEASE])
-def test_mtp_unit_tests_pass_on_release(release):
+COMPAT = "tests/unit/models/megatron/test_compat.py"
+SETUP = "tests/unit/models/megatron/test_setup.py"
+# The release-specific tests of MTP_TEST_FILES and the releases (major.minor) they must run on,
+# written out from the measured matrix (what each release has), not from the tests' skip conditions.
+# On every other release they must be skipped; every other test must run and pass on every release.
+RELEASE_SPECIFIC = {
+    f"{COMPAT}::test_padding_mask_shim_is_not_installed_where_declared": {"0.19"},
+    f"{COMPAT}::test_upstream_0_18_checkpointed_forward_rejects_padding_mask": {"0.18"},
+    f"{COMPAT}::test_padding_mask_shim_is_installed_on_the_0_18_release": {"0.18"},
+    f"{COMPAT}::test_without_the_rl_labels_shim_mtp_silently_does_not_train": {"0.16", "0.17", "0.18"},
+    f"{SETUP}::test_repeated_layer_builds_one_shared_mtp_layer": {"0.17", "0.18", "0.19"},
+}
+MEASURED_RELEASES = {"0.16", "0.17", "0.18", "0.19"}
+
+
+def _junit_outcomes(path: Path) -> dict[str, str]:
+    """node id -> passed | skipped | failed, from pytest's JUnit XML report."""
+    outcomes = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        node = f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcomes[node] = "failed"
+        elif case.find("skipped") is not None:
+            outcomes[node] = "skipped"
+        else:
+            outcomes[node] = "passed"
+    return outcomes
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_mtp_unit_tests_pass_on_release(release, tmp_path):
+    minor = ".".join(release.split(".")[:2])
+    assert minor in MEASURED_RELEASES, f"megatron-core {release}: add its release-specific tests to RELEASE_SPECIFIC"
+    junit = tmp_path / "junit.xml"
     completed = subprocess.run(
-        ["uv", "run", "--with", f"megatron-core=={release}", "--group", "test", "pytest", "-q", "-p", "no:cacheprovider", *MTP_TEST_FILES],
+        [
+            "uv", "run", "--with", f"megatron-core=={release}", "--group", "test", "pytest", "-q", "-p", "no:cacheprovider",
+            f"--junitxml={junit}", *MTP_TEST_FILES,
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         env={**os.environ, "NEMO_RL_MTP_EXPECT_RELEASE": release},
     )
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
-    assert " passed" in completed.stdout
+    outcomes = _junit_outcomes(junit)
+    assert {Path(node.split("::")[0]).as_posix() for node in outcomes} == set(MTP_TEST_FILES)
+    assert not [node for node, outcome in outcomes.items() if outcome == "failed"]
+    must_skip = {node for node, releases in RELEASE_SPECIFIC.items() if minor not in releases}
+    must_run = {node for node, releases in RELEASE_SPECIFIC.items() if minor in releases}
+    skipped = {node for node, outcome in outcomes.items() if outcome == "skipped"}
+    assert skipped == must_skip, f"megatron-core {release}: skipped {sorted(skipped)}, expected {sorted(must_skip)}"
+    assert must_run <= {node for node, outcome in outcomes.items() if outcome == "passed"}, (
+        f"megatron-core {release}: release-specific tests missing or not passed: "
+        f"{sorted(must_run - {node for node, outcome in outcomes.items() if outcome == 'passed'})}"
+    )

@@ -122,6 +122,8 @@ def controller_class(model, generation_cfg: GenerationConfig) -> type:
     if sequence_drafts.upstream_drafts_have_context(model):
         logger.info("MTP drafts: the installed engine's draft step reads a request's context; using it as is")
         return chosen
+    if getattr(model, "mtp", None) is None:  # a pipeline stage before the MTP layers: nothing to probe
+        return sequence_drafts.with_sequence_drafts(chosen)
     with rollout_mode(model):
         leak = sequence_drafts.serial_step_leak(model)
     logger.info(

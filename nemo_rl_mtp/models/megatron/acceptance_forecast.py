@@ -70,7 +70,9 @@ def recording_mtp_logits(gpt_model, targets: ForecastTargets | None):
         block_output["hidden"] = output
 
     def keep_mtp_logits(module, inputs, output):
-        depth = _mtp_depth_of(inputs[0], block_output.get("hidden"), gpt_model.config.mtp_num_layers)
+        # The depth count from the targets: megatron-core 0.16's RL-labels shim blanks the
+        # config's mtp_num_layers during the forward.
+        depth = _mtp_depth_of(inputs[0], block_output.get("hidden"), len(targets.draft_positions))
         if depth is not None:
             rows = output[0].detach().transpose(0, 1).reshape(-1, output[0].shape[-1])
             recorded[depth] = rows[targets.draft_positions[depth]].clone()

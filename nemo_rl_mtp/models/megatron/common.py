@@ -1,7 +1,9 @@
-"""MTP metrics from megatron-core's ``MTPLossLoggingHelper`` tracker, and sharing results of the
-last pipeline stage."""
+"""MTP metrics from megatron-core's ``MTPLossLoggingHelper`` tracker, sharing results of the last
+pipeline stage, and the backward seed of megatron's auxiliary losses (MTP, MoE load balancing)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from megatron.core import parallel_state
@@ -45,3 +47,23 @@ def broadcast_from_last_pipeline_stage(values):
         group=parallel_state.get_pipeline_model_parallel_group(),
     )
     return holder[0]
+
+
+@contextlib.contextmanager
+def backward_seed_over(config, scale_func_attribute: str, global_count: torch.Tensor | None, enabled: bool):
+    """For one step, ``config.<scale_func_attribute>`` returns ``loss_scale / global_count`` (the
+    backward seed megatron's schedule reads for an auxiliary loss); set and cleared in try/finally."""
+    if not enabled:
+        yield
+        return
+
+    def loss_scale_over_global_count() -> torch.Tensor:
+        one = torch.ones(1, device=global_count.device)
+        loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+        return loss_scale / global_count.clamp(min=1)
+
+    setattr(config, scale_func_attribute, loss_scale_over_global_count)
+    try:
+        yield
+    finally:
+        setattr(config, scale_func_attribute, None)

@@ -24,6 +24,8 @@ import contextlib
 import torch
 from megatron.core import parallel_state
 
+from nemo_rl_mtp.models.megatron.common import backward_seed_over
+
 MOE_CONFIG_KEYS = ("num_moe_experts", "moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
 
 
@@ -63,23 +65,11 @@ def count_global_router_tokens(batch: dict[str, torch.Tensor], device: torch.dev
 
 
 @contextlib.contextmanager
-def moe_grad_scale(config, global_router_tokens: torch.Tensor):
+def moe_grad_scale(config, global_router_tokens: torch.Tensor | None):
     """Set ``config.moe_grad_scale_func`` for one step (``loss_scale / N``, module docstring) and
     clear it afterwards, as ``mtp_grad_scale`` does for the MTP loss."""
-    if not moe_enabled(config):
+    with backward_seed_over(config, "moe_grad_scale_func", global_router_tokens, enabled=moe_enabled(config)):
         yield
-        return
-
-    def loss_scale_over_global_tokens() -> torch.Tensor:
-        one = torch.ones(1, device=global_router_tokens.device)
-        loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
-        return loss_scale / global_router_tokens.clamp(min=1)
-
-    config.moe_grad_scale_func = loss_scale_over_global_tokens
-    try:
-        yield
-    finally:
-        config.moe_grad_scale_func = None
 
 
 def get_moe_metrics(config, num_microbatches: int) -> dict[str, float]:

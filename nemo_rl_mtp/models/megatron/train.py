@@ -27,6 +27,7 @@ re-weights each microbatch by N_0 / N_k.
 from __future__ import annotations
 
 import contextlib
+import logging
 from functools import partial
 from typing import Callable, Iterator
 
@@ -42,7 +43,7 @@ from nemo_rl_mtp.models.megatron.acceptance_forecast import (
     recording_mtp_logits,
     with_expected_acceptance,
 )
-from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage
+from nemo_rl_mtp.models.megatron.common import backward_seed_over, broadcast_from_last_pipeline_stage
 from nemo_rl_mtp.models.megatron.data import (
     Microbatch,
     compute_mtp_loss_mask,
@@ -50,6 +51,8 @@ from nemo_rl_mtp.models.megatron.data import (
     microbatches_for_this_rank,
 )
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel, mtp_enabled
+
+logger = logging.getLogger(__name__)
 
 PolicyLossFn = Callable[[torch.Tensor, dict, torch.Tensor], tuple[torch.Tensor, dict]]
 
@@ -76,6 +79,7 @@ def forward_backward_global_batch(
     global_tokens = count_global_valid_tokens(batch, device)
     mtp_tokens = global_tokens
     if mtp_enabled(config):
+        warn_if_mtp_depths_are_reweighted(batch, config.mtp_num_layers)
         mtp_mask = compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"], batch["advantages"], policy_cfg.mtp_loss_mask_policy)
         batch = {**batch, "mtp_loss_mask": mtp_mask}
         mtp_tokens = count_global_mtp_tokens(mtp_mask, device)
@@ -131,6 +135,27 @@ def count_global_valid_tokens(batch: dict[str, torch.Tensor], device: torch.devi
     return count
 
 
+_warned_about_reweighting = False
+
+
+def warn_if_mtp_depths_are_reweighted(batch: dict[str, torch.Tensor], mtp_num_layers: int) -> None:
+    """Warn once when a valid sample's response starts within its first mtp_num_layers + 1 tokens:
+    megatron then re-weights each microbatch's depth-k loss by N_0 / N_k (module docstring), so
+    deeper depths are not exact global per-token means. Exact again with longer prompts."""
+    global _warned_about_reweighting
+    valid = batch["sample_mask"] > 0
+    first_response = batch["token_mask"].float().argmax(dim=1)
+    short = int((valid & (first_response < mtp_num_layers + 1) & (batch["token_mask"].sum(dim=1) > 0)).sum())
+    if short and not _warned_about_reweighting:
+        _warned_about_reweighting = True
+        logger.warning(
+            "MTP: %d sample(s) have prompts shorter than mtp_num_layers + 1 = %d tokens; megatron re-weights each "
+            "microbatch's deeper MTP losses by N_0/N_k there, so they are not exact per-token means (warned once)",
+            short,
+            mtp_num_layers + 1,
+        )
+
+
 def count_global_mtp_tokens(mtp_loss_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The MTP loss's G: its mask after megatron's first roll (what megatron counts as N_0),
     summed over the global batch. Equal to the policy's G unless ``mtp_loss_mask_policy`` gates."""
@@ -145,20 +170,8 @@ def mtp_grad_scale(config, global_valid_tokens: torch.Tensor):
     ``loss_scale / G`` like the policy loss, and clear it afterwards so it never lands in a saved
     config. ``loss_scale`` is the fp16 loss scale (1 otherwise), the value megatron falls back to
     when no MTP scale function is set."""
-    if not mtp_enabled(config):
+    with backward_seed_over(config, "mtp_grad_scale_func", global_valid_tokens, enabled=mtp_enabled(config)):
         yield
-        return
-
-    def loss_scale_over_global_tokens() -> torch.Tensor:
-        one = torch.ones(1, device=global_valid_tokens.device)
-        loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
-        return loss_scale / global_valid_tokens.clamp(min=1)
-
-    config.mtp_grad_scale_func = loss_scale_over_global_tokens
-    try:
-        yield
-    finally:
-        config.mtp_grad_scale_func = None
 
 
 def forward_step(

@@ -9,8 +9,7 @@ import torch
 
 from nemo_rl_mtp.models.generation import sequence_drafts
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
-from nemo_rl_mtp.models.megatron.data import causal_attention_mask
-from tests.helpers import make_policy, response_mask, tiny_config
+from tests.helpers import eval_forward_logits, make_policy, response_mask, tiny_config
 from tests.unit.models.generation.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides, generate
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
@@ -39,27 +38,8 @@ def recorded_drafts(monkeypatch):
 
 
 def training_mtp_logits(policy, rollouts) -> list[torch.Tensor]:
-    """Per MTP depth, logits [B, S, V] of megatron's training-mode forward over the finished
-    sequences (the MTP block's own output, through the output layer)."""
-    model, tokens = policy.model.module, rollouts["tokens"]
-    batch, length = tokens.shape
-    captured = []
-    hook = model.mtp.register_forward_hook(lambda module, inputs, output: captured.append(output))
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(
-                input_ids=tokens,
-                position_ids=torch.arange(length).expand(batch, length),
-                attention_mask=causal_attention_mask(length),
-                labels=None,
-                loss_mask=response_mask(rollouts).float(),
-            )
-            depths = captured[0].chunk(1 + model.config.mtp_num_layers, dim=0)[1:]
-            return [model.output_layer(hidden)[0].transpose(0, 1) for hidden in depths]
-    finally:
-        model.train()
-        hook.remove()
+    """Per MTP depth, logits [B, S, V] of megatron's forward over the finished sequences."""
+    return eval_forward_logits(policy, rollouts["tokens"], response_mask(rollouts))[1]
 
 
 def test_drafts_equal_the_training_forward_of_the_mtp_heads_at_their_position(trained_policy, recorded_drafts):

@@ -8,42 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_rl_mtp.models.megatron.data import causal_attention_mask
-from tests.helpers import make_batch, make_policy
+from tests.helpers import eval_forward_logits, make_batch, make_policy
 from tests.unit.models.megatron.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES, run_step
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
-
-
-def forward_logits(policy, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The policy's logits [B, S, V] and each MTP depth's [B, S, V], from one eval-mode forward of
-    megatron's GPTModel over the plain rows (the MTP block's output through the output layer)."""
-    model, tokens = policy.model.module, batch["input_ids"]
-    rows, length = tokens.shape
-    captured = []
-    hook = model.mtp.register_forward_hook(lambda module, inputs, output: captured.append(output))
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = model(
-                input_ids=tokens,
-                position_ids=torch.arange(length).expand(rows, length),
-                attention_mask=causal_attention_mask(length),
-                labels=None,
-                loss_mask=batch["token_mask"].float(),
-            )
-            depths = captured[0].chunk(1 + model.config.mtp_num_layers, dim=0)[1:]
-            return logits, [model.output_layer(hidden)[0].transpose(0, 1) for hidden in depths]
-    finally:
-        model.train()
-        hook.remove()
 
 
 def reference_forecast(policy, batch, temperature: float) -> list[tuple[float, int]]:
     """Per depth k (0-based): mean over response tokens t of valid samples with t >= k + 2 of
     sum_x min(p(x), q(x)), p the policy's softmax at t - 1 and q depth k's at t - 2 - k, both at
     ``temperature`` over the tokenizer's ids; and the number of such targets."""
-    logits, mtp_logits = forward_logits(policy, batch)
+    logits, mtp_logits = eval_forward_logits(policy, batch["input_ids"], batch["token_mask"])
     vocab = policy.vocab_size
     results = []
     for depth, draft_logits in enumerate(mtp_logits):

@@ -9,11 +9,12 @@ import logging
 import pytest
 import torch
 from megatron.core.models.gpt import gpt_model
+from megatron.core.pipeline_parallel import schedules
 from megatron.core.transformer import multi_token_prediction as mtp_module
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper, MultiTokenPredictionLayer
 
 from nemo_rl_mtp.models.megatron import compat
-from nemo_rl_mtp.models.megatron.compat import grad_scale, recompute
+from nemo_rl_mtp.models.megatron.compat import recompute
 from nemo_rl_mtp.models.megatron.compat._marks import is_shim
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorker
@@ -65,27 +66,108 @@ def test_shims_match_what_the_release_needs_and_log_it(caplog):
             assert "upstream" in outcome.detail
 
 
+# Where each shim installs itself (read from compat/*.py): every (owner, attribute) its apply() may
+# replace, the first being the one that carries the shim mark.
+SHIM_TARGETS = {
+    "metrics_tracker": [(MTPLossLoggingHelper, "save_metrics_to_tracker"), (MTPLossLoggingHelper, "reduce_metrics_in_tracker")],
+    "rl_labels": [(gpt_model.GPTModel, "_postprocess"), (gpt_model, "process_mtp_loss")],
+    "grad_scale": [(schedules, "forward_step_calc_loss")],
+    "recompute": [(MultiTokenPredictionLayer, "_checkpointed_forward")],
+}
+_MISSING = object()
+
+
+def _raw(owner, attribute):
+    """What the owner itself holds (a staticmethod stays a staticmethod), or _MISSING."""
+    return vars(owner).get(attribute, _MISSING)
+
+
+def _snapshot(targets):
+    return {target: _raw(*target) for target in targets}
+
+
+def _restore(saved):
+    for (owner, attribute), value in saved.items():
+        if value is _MISSING:
+            if attribute in vars(owner):
+                delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, value)
+
+
+def _all_targets():
+    return [target for targets in SHIM_TARGETS.values() for target in targets]
+
+
 def test_shims_are_idempotent():
-    compat.apply_mtp_compat_shims()
-    patched = (
-        MultiTokenPredictionLayer._checkpointed_forward,
-        gpt_model.GPTModel._postprocess,
-        grad_scale.schedules.forward_step_calc_loss,
-        MTPLossLoggingHelper.save_metrics_to_tracker,
-    )
-    outcomes = compat.apply_mtp_compat_shims()
-    assert patched == (
-        MultiTokenPredictionLayer._checkpointed_forward,
-        gpt_model.GPTModel._postprocess,
-        grad_scale.schedules.forward_step_calc_loss,
-        MTPLossLoggingHelper.save_metrics_to_tracker,
-    )
-    for outcome in outcomes:
+    """Applying the shims again (through the public entry) changes no attribute and reports the same
+    outcomes; a shim skipped because upstream is fixed leaves megatron's own functions in place."""
+    compat.apply_mtp_compat_shims()  # whatever this process had not installed yet is installed now
+    before = _snapshot(_all_targets())
+    first = compat.apply_mtp_compat_shims()
+    between = _snapshot(_all_targets())
+    second = compat.apply_mtp_compat_shims()
+    after = _snapshot(_all_targets())
+    assert [outcome.name for outcome in first] == ["metrics_tracker", "rl_labels", "grad_scale", "recompute"]
+    assert [(o.name, o.status, o.detail) for o in first] == [(o.name, o.status, o.detail) for o in second]
+    for target, value in before.items():
+        assert between[target] is value and after[target] is value, target
+    for outcome in second:
+        targets = SHIM_TARGETS[outcome.name]
         if outcome.status == "applied":
             assert outcome.detail == "already installed (idempotent)"
-    # Never a shim wrapping a shim.
-    for function in patched:
-        assert not is_shim(getattr(function, "original", None))
+            marked = getattr(*targets[0])
+            assert is_shim(marked)
+            assert not is_shim(getattr(marked, "original", None))  # never a shim wrapping a shim
+        else:
+            assert outcome.status == "skipped" and "upstream" in outcome.detail
+            for owner, attribute in targets:
+                function = getattr(owner, attribute, None)
+                if function is None:  # not on this release (process_mtp_loss before 0.17)
+                    continue
+                assert not is_shim(function), (owner, attribute)
+                assert function.__module__.startswith("megatron.core."), (owner, attribute, function.__module__)
+    if dict((o.name, o.status) for o in second)["rl_labels"] == "skipped" and hasattr(mtp_module, "process_mtp_loss"):
+        # gpt_model's name for the loss is still the very function of the module that defines it.
+        assert gpt_model.process_mtp_loss is mtp_module.process_mtp_loss
+
+
+@pytest.mark.parametrize("name", [name for name, _ in compat.SHIMS])
+def test_installing_a_shim_twice_installs_it_once(name):
+    """Each shim's own apply(), forced even where the release does not need it (0.19.2 needs none):
+    the second call is a no-op (same objects, no shim wrapping a shim). Restored afterwards."""
+    shim = dict(compat.SHIMS)[name]
+    targets = SHIM_TARGETS[name]
+    saved = _snapshot(targets)
+    was_installed = shim.is_applied()
+    # The function each target held before this test, unwrapped from an earlier install of ours.
+    upstream = {}
+    for target in targets:
+        function = getattr(*target, None)
+        upstream[target] = function.original if is_shim(function) and hasattr(function, "original") else function
+    try:
+        first_detail = shim.apply()
+        installed = _snapshot(targets)
+        second_detail = shim.apply()
+        assert second_detail == "already installed (idempotent)"
+        if not was_installed:
+            assert first_detail != "already installed (idempotent)"
+            assert installed[targets[0]] is not saved[targets[0]]  # the first call did install
+        assert shim.is_applied()
+        assert shim.probe() == (True, "installed earlier in this process")
+        assert all(_raw(*target) is installed[target] for target in targets)  # nothing replaced again
+        marked = getattr(*targets[0])
+        assert is_shim(marked)
+        for target in targets:
+            function = getattr(*target, None)
+            if is_shim(function) and hasattr(function, "original"):
+                assert not is_shim(function.original), target
+                assert function.original is upstream[target], target
+                assert function.original.__module__.startswith("megatron.core."), target
+    finally:
+        _restore(saved)
+    assert all(_raw(*target) is saved[target] for target in targets)
+    assert shim.is_applied() == was_installed
 
 
 @pytest.mark.skipif(UPSTREAM_LACKS_PADDING_MASK, reason="checks releases whose _checkpointed_forward is fine")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -30,15 +31,47 @@ def test_install_logs_what_it_adapted(caplog, monkeypatch):
     assert "CudaRNGStatesTracker.add" in caplog.text
 
 
+# Every attribute install() replaces on a machine without CUDA (read from cpu_runtime.install).
+CPU_ADAPTED = (
+    (torch.cuda, "current_device"),
+    (torch.cuda, "current_stream"),
+    (torch.cuda, "synchronize"),
+    (megatron_random, "_get_cuda_rng_state"),
+    (megatron_random, "_set_cuda_rng_state"),
+    (megatron_random.CudaRNGStatesTracker, "add"),
+)
+
+
 def test_nothing_is_patched_when_cuda_is_available(caplog, monkeypatch):
+    """CUDA reported available (its only probe, torch.cuda.is_available): install() replaces none of
+    the functions it adapts on a CPU and says so. Each target first holds a fresh stand-in, so the
+    identity check means something even when an earlier test installed the CPU adaptation."""
+    stand_ins = {}
+    for owner, attribute in CPU_ADAPTED:
+
+        def upstream(*args, **kwargs):  # a distinct object per target
+            raise AssertionError("not to be called")
+
+        stand_ins[(owner, attribute)] = upstream
+        monkeypatch.setattr(owner, attribute, upstream)  # monkeypatch restores the real ones
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cpu_runtime, "_INSTALLED", False)
+    threads = torch.get_num_threads()
     with caplog.at_level(logging.INFO, logger=cpu_runtime.__name__):
         assert cpu_runtime.install() is False
-    assert "runs unmodified" in caplog.text
+        assert cpu_runtime.install() is False
+    for (owner, attribute), upstream in stand_ins.items():
+        assert getattr(owner, attribute) is upstream, f"{attribute} was replaced although CUDA is available"
+    assert cpu_runtime._INSTALLED is False
+    assert torch.get_num_threads() == threads
+    assert caplog.text.count("CUDA is available, megatron-core runs unmodified") == 2
+    assert "adapted to CPU" not in caplog.text
     assert cpu_runtime.distributed_backend() == "nccl"
-    with cpu_runtime.device_scope():
-        assert torch.zeros(1).device.type == "cpu"  # nullcontext: no redirection installed
+    scope = cpu_runtime.device_scope()
+    assert isinstance(scope, contextlib.nullcontext)
+    with scope:  # no redirection: a CUDA tensor on this CUDA-less machine still fails
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.zeros(1, device="cuda")
 
 
 def test_device_scope_redirects_cuda_literals_only_inside():

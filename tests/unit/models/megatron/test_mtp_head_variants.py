@@ -24,6 +24,7 @@ from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
 from nemo_rl_mtp.models.megatron.data import causal_attention_mask, local_valid_tokens
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch, optimizer_step
 from tests.helpers import gradients, make_batch, make_policy, mtp_parameter_names
+from tests.unit.models.megatron.test_mtp_training_step import zero_policy_loss
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
@@ -34,11 +35,6 @@ RAGGED_RESPONSES = [1, 9, 3, 4, 8, 2, 6, 5]
 SAMPLE_MASK = [1, 1, 0, 1, 1, 1, 0, 1]
 FOUR_MICROBATCHES = dict(train_micro_batch_size=2, train_global_batch_size=8)
 SCALING_FACTOR = 0.3
-
-
-def zero_policy_loss(logprobs, inputs, global_valid_tokens):
-    """Contributes no gradient, so the step's gradients are the MTP loss's alone."""
-    return (logprobs * 0.0).sum(), {"loss": torch.zeros(())}
 
 
 def run_step(policy, policy_cfg, batch, loss_fn=PG_LOSS):

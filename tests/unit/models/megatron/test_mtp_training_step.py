@@ -105,7 +105,8 @@ def reference_mtp_loss(policy, batch, mtp_num_layers: int, scaling_factor: float
     hidden_chunks = torch.chunk(captured[0], 1 + mtp_num_layers, dim=0)
     total = torch.zeros(())
     for depth in range(mtp_num_layers):
-        logits, _ = model.output_layer(hidden_chunks[depth + 1])
+        tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        logits, _ = model.output_layer(hidden_chunks[depth + 1], weight=tied)
         logits = logits.transpose(0, 1)[:, : seq_length - 2 - depth]  # [b, s, v]
         targets = input_ids[:, 2 + depth :]
         weights = mask[:, 2 + depth :]
@@ -114,12 +115,15 @@ def reference_mtp_loss(policy, batch, mtp_num_layers: int, scaling_factor: float
     return total / global_valid_tokens
 
 
-@pytest.mark.parametrize("mtp_num_layers", [1, 2])
-def test_mtp_gradient_equals_independent_reference(mtp_num_layers):
+@pytest.mark.parametrize("mtp_num_layers, tied_embeddings", [(1, False), (2, False), (2, True)])
+def test_mtp_gradient_equals_independent_reference(mtp_num_layers, tied_embeddings):
+    """With tied input and output embeddings too: the MTP heads' gradient reaches the one shared
+    matrix through both the embedding of the shifted tokens and the output layer."""
     scaling_factor = 0.3
     policy, cfg = make_policy(
         megatron_cfg__mtp_num_layers=mtp_num_layers,
         megatron_cfg__mtp_loss_scaling_factor=scaling_factor,
+        megatron_cfg__share_embeddings_and_output_weights=tied_embeddings,
         train_micro_batch_size=2,
         train_global_batch_size=8,
     )
@@ -141,6 +145,21 @@ def test_mtp_gradient_equals_independent_reference(mtp_num_layers):
         torch.testing.assert_close(step_grads[name], reference_grad, rtol=2e-4, atol=1e-7, msg=name)
         compared += 1
     assert compared > len(mtp_parameter_names(policy))  # MTP block, embedding, trunk, output layer
+    names = dict(policy.model.module.named_parameters())
+    assert ("output_layer.weight" in names) != tied_embeddings
+
+
+def test_short_prompts_warn_that_deeper_mtp_losses_are_reweighted(caplog):
+    """Prompts of 2 tokens with 2 MTP layers: megatron's N_0/N_k re-weighting applies, and says so."""
+    from nemo_rl_mtp.models.megatron import train
+
+    train._warned_about_reweighting = False
+    policy, cfg = make_policy(megatron_cfg__mtp_num_layers=2, train_micro_batch_size=4, train_global_batch_size=8)
+    with caplog.at_level("WARNING"):
+        run_step(policy, cfg, make_batch(RAGGED_RESPONSES, prompt_length=5))
+        assert "re-weights" not in caplog.text
+        run_step(policy, cfg, make_batch(RAGGED_RESPONSES, prompt_length=2))
+    assert "8 sample(s) have prompts shorter than mtp_num_layers + 1 = 3 tokens" in caplog.text
 
 
 @pytest.mark.parametrize("mtp_num_layers", [1, 2])

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-from megatron.core.transformer.transformer_config import TransformerConfig
 
+from nemo_rl_mtp.models.megatron import compat
 from nemo_rl_mtp.models.megatron.setup import (
     _apply_mtp_config,
     build_transformer_config,
@@ -22,13 +20,34 @@ def test_apply_mtp_config_copies_the_keys_present():
     assert kwargs == {"mtp_num_layers": 3, "mtp_loss_scaling_factor": 0.3}
 
 
+# Per megatron-core release (major.minor), what _apply_mtp_config must copy from
+# {mtp_num_layers: 1, mtp_detach_heads: false, mtp_use_repeated_layer: false}: written out by hand
+# from the releases' own TransformerConfig sources (0.16.1 has neither field, 0.17.1 and 0.18.2
+# have mtp_use_repeated_layer, 0.19.2 both), not derived from the installed TransformerConfig.
+COPIED_BY_RELEASE = {
+    (0, 16): {"mtp_num_layers": 1},
+    (0, 17): {"mtp_num_layers": 1, "mtp_use_repeated_layer": False},
+    (0, 18): {"mtp_num_layers": 1, "mtp_use_repeated_layer": False},
+    (0, 19): {"mtp_num_layers": 1, "mtp_use_repeated_layer": False, "mtp_detach_heads": False},
+}
+# The first release whose TransformerConfig has the field (same sources).
+FIELD_SINCE = {"mtp_use_repeated_layer": (0, 17), "mtp_detach_heads": (0, 19)}
+
+
+def _release() -> tuple[int, int]:
+    major, minor = compat.megatron_core_version().split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _release_has(field: str) -> bool:
+    return _release() >= FIELD_SINCE[field]
+
+
+@pytest.mark.skipif(_release() not in COPIED_BY_RELEASE, reason="a release outside the measured matrix")
 def test_apply_mtp_config_copies_only_fields_the_release_has():
-    fields = {field.name for field in dataclasses.fields(TransformerConfig)}
     kwargs = {}
     _apply_mtp_config(kwargs, {"mtp_num_layers": 1, "mtp_detach_heads": False, "mtp_use_repeated_layer": False})
-    expected = {"mtp_num_layers": 1}
-    expected.update({key: False for key in ("mtp_detach_heads", "mtp_use_repeated_layer") if key in fields})
-    assert kwargs == expected
+    assert kwargs == COPIED_BY_RELEASE[_release()]
 
 
 def test_apply_mtp_config_leaves_a_non_mtp_recipe_untouched():
@@ -38,8 +57,7 @@ def test_apply_mtp_config_leaves_a_non_mtp_recipe_untouched():
         assert kwargs == {"num_layers": 2}
 
 
-RELEASE_FIELDS = {field.name for field in dataclasses.fields(TransformerConfig)}
-needs_field = lambda name: pytest.mark.skipif(name not in RELEASE_FIELDS, reason=f"this megatron-core has no {name}")  # noqa: E731
+needs_field = lambda name: pytest.mark.skipif(not _release_has(name), reason=f"this megatron-core has no {name}")  # noqa: E731
 
 
 def test_transformer_config_carries_mtp_settings():
@@ -54,7 +72,7 @@ def test_transformer_config_carries_mtp_settings():
 @pytest.mark.parametrize("feature", ["mtp_use_repeated_layer", "mtp_detach_heads"])
 def test_requested_mtp_feature_reaches_the_config_or_is_rejected(feature):
     megatron_cfg = tiny_config(**{f"megatron_cfg__{feature}": True}).policy.megatron_cfg
-    if feature in RELEASE_FIELDS:
+    if _release_has(feature):
         assert getattr(build_transformer_config(megatron_cfg), feature) is True
     else:
         with pytest.raises(ValueError, match=f"{feature}=true is not supported by the installed megatron-core"):
@@ -64,10 +82,17 @@ def test_requested_mtp_feature_reaches_the_config_or_is_rejected(feature):
 @needs_field("mtp_use_repeated_layer")
 @pytest.mark.usefixtures("megatron_world")
 def test_repeated_layer_builds_one_shared_mtp_layer():
-    policy, _ = make_policy(megatron_cfg__mtp_num_layers=3, megatron_cfg__mtp_use_repeated_layer=True)
-    assert len(policy.model.module.mtp.layers) == 1
-    policy, _ = make_policy(megatron_cfg__mtp_num_layers=3)
-    assert len(policy.model.module.mtp.layers) == 3
+    repeated, _ = make_policy(megatron_cfg__mtp_num_layers=3, megatron_cfg__mtp_use_repeated_layer=True)
+    assert len(repeated.model.module.mtp.layers) == 1
+    separate, _ = make_policy(megatron_cfg__mtp_num_layers=3)
+    assert len(separate.model.module.mtp.layers) == 3
+    # Counted on the built models: three depths sharing one layer hold a third of the MTP weights
+    # of three separate (identically shaped) layers.
+    assert 3 * _mtp_parameter_count(repeated) == _mtp_parameter_count(separate) > 0
+
+
+def _mtp_parameter_count(policy) -> int:
+    return sum(param.numel() for name, param in policy.model.module.named_parameters() if name.startswith("mtp."))
 
 
 def test_auto_impl_is_local_without_cuda():
