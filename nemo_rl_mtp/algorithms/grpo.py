@@ -27,7 +27,7 @@ from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
 from nemo_rl_mtp.models.generation.speculation import check_speculation_supported, speculation_metrics
 from nemo_rl_mtp.utils.checkpoint import CheckpointDirectory
-from nemo_rl_mtp.utils.config import ConfigError
+from nemo_rl_mtp.utils.config import EXEMPLAR_CONFIG, ConfigError
 from nemo_rl_mtp.utils.config_schema import GRPOConfig, LoggerConfig, MasterConfig
 from nemo_rl_mtp.utils.logger import Logger, read_metrics
 
@@ -223,6 +223,10 @@ RESUMABLE_CHANGES = (
     "logger.",
     "checkpointing.",
     "policy.generation.engine.",
+    # Speculation is lossless: it changes how fast rollouts come, not what they are.
+    "policy.generation.num_speculative_tokens",
+    "policy.generation.spec_verification",
+    "policy.generation.draft_context",
     "policy.train_micro_batch_size",
     "policy.megatron_cfg.tensor_model_parallel_size",
     "policy.megatron_cfg.pipeline_model_parallel_size",
@@ -234,10 +238,13 @@ RESUMABLE_CHANGES = (
 
 def check_resumable_config(saved_config: Path, cfg: MasterConfig) -> None:
     """Refuse to resume a run with settings it was not started with (other than
-    ``RESUMABLE_CHANGES``), naming each key with its saved and its new value."""
+    ``RESUMABLE_CHANGES``), naming each key with its saved and its new value. A key the saved
+    config lacks (added by a later version) counts as its exemplar default, the behaviour the run
+    had before the key existed."""
     if not saved_config.is_file():
         return
-    saved, now = _leaves(OmegaConf.load(saved_config)), _leaves(cfg)
+    saved = {**_leaves(OmegaConf.load(EXEMPLAR_CONFIG)), **_leaves(OmegaConf.load(saved_config))}
+    now = _leaves(cfg)
     changed = [
         f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"
         for key in sorted(saved.keys() | now.keys())

@@ -75,3 +75,18 @@ def test_a_resume_may_change_length_and_layout_but_not_what_is_trained(tmp_path)
     changed = load_config(overrides=["logger.run_name=run", "policy.megatron_cfg.optimizer.lr=2e-3", "env.task=sort"])
     with pytest.raises(ConfigError, match=r"env\.task: 'reverse' -> 'sort'; policy\.megatron_cfg\.optimizer\.lr: 0\.001 -> 0\.002\)"):
         check_resumable_config(saved, changed)
+
+
+def test_a_run_saved_before_a_key_existed_resumes_at_its_default_and_not_at_another_value(tmp_path):
+    from omegaconf import OmegaConf
+
+    from nemo_rl_mtp.algorithms.grpo import check_resumable_config
+    from nemo_rl_mtp.utils.config import ConfigError, load_config
+
+    older = OmegaConf.to_container(load_config(overrides=["logger.run_name=run"]))
+    del older["loss_fn"]["token_level_loss"]  # as a config saved before the key was added
+    saved = tmp_path / "config.yaml"
+    OmegaConf.save(OmegaConf.create(older), saved)
+    check_resumable_config(saved, load_config(overrides=["logger.run_name=run"]))
+    with pytest.raises(ConfigError, match=r"loss_fn\.token_level_loss: True -> False"):
+        check_resumable_config(saved, load_config(overrides=["logger.run_name=run", "loss_fn.token_level_loss=false"]))
