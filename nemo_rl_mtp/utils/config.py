@@ -28,7 +28,7 @@ _CHOICES = {
     "policy.megatron_cfg.position_embedding_type": {"rope", "learned_absolute"},
     "policy.megatron_cfg.recompute_granularity": {None, "full", "selective"},
     "policy.megatron_cfg.recompute_method": {None, "uniform", "block"},
-    "policy.megatron_cfg.moe_router_load_balancing_type": {"aux_loss", "seq_aux_loss", "none"},
+    "policy.megatron_cfg.moe_router_load_balancing_type": {"global_batch_aux_loss", "aux_loss", "seq_aux_loss", "none"},
     "policy.megatron_cfg.moe_token_dispatcher_type": {"allgather", "alltoall"},
     "policy.generation.spec_verification": {"exact_match", "rejection_sampling"},
     "policy.mtp_loss_mask_policy": {"all_responses", "positive_advantage"},

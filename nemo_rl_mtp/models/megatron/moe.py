@@ -12,14 +12,21 @@ token-weighted mean over the global batch of the microbatches' aux losses, whate
 size. The microbatches must tell megatron which tokens are padding (``padding_mask``), so that
 padding neither counts in n_mb nor in the router's load statistics.
 
-What stays split-dependent is megatron's design, not the scale: the load statistic of the
-standard aux loss (fraction of tokens per expert) is computed per microbatch, so microbatches with
-different token mixes give different aux losses than one microbatch holding them all.
+The load statistic. megatron's ``aux_loss`` measures each expert's share of tokens f_e over one
+microbatch, so microbatches with different token mixes give a different loss than one microbatch
+holding them all. ``global_batch_aux_loss`` (ours; megatron runs it as ``aux_loss``) measures f_e
+over the whole global batch instead (Qiu et al. 2025, "global load balancing", arXiv
+2501.11873): a forward-only pass routes every microbatch first and counts the tokens each router
+sends to each expert (padding excluded, summed over ranks). Every microbatch's aux loss
+E * c / (k T^2) * sum_e F_e * sum_{x in microbatch} p_e(x) then uses those counts F_e and token
+total T, so the losses of the microbatches add up to the global batch's, whatever the split. The
+price is that extra forward pass per step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from megatron.core import parallel_state
@@ -33,12 +40,21 @@ def moe_enabled(config) -> bool:
     return bool(getattr(config, "num_moe_experts", None))
 
 
+GLOBAL_BATCH_AUX_LOSS = "global_batch_aux_loss"
+
+
+def uses_global_load_statistics(megatron_cfg) -> bool:
+    return bool(megatron_cfg.num_moe_experts) and megatron_cfg.moe_router_load_balancing_type == GLOBAL_BATCH_AUX_LOSS
+
+
 def moe_config_kwargs(megatron_cfg) -> dict:
     """TransformerConfig arguments of the MoE keys; {} for a dense trunk. Experts run one after the
     other (no grouped GEMM: it needs CUDA kernels)."""
     if not megatron_cfg.num_moe_experts:
         return {}
     kwargs = {key: megatron_cfg[key] for key in MOE_CONFIG_KEYS}
+    if uses_global_load_statistics(megatron_cfg):
+        kwargs["moe_router_load_balancing_type"] = "aux_loss"  # with the global statistic swapped in
     kwargs["moe_ffn_hidden_size"] = megatron_cfg.moe_ffn_hidden_size or megatron_cfg.ffn_hidden_size
     kwargs["moe_grouped_gemm"] = False
     return kwargs
@@ -72,17 +88,90 @@ def moe_grad_scale(config, global_router_tokens: torch.Tensor | None):
         yield
 
 
-def get_moe_metrics(config, num_microbatches: int) -> dict[str, float]:
+def routers_of(gpt_model) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [module for module in gpt_model.modules() if isinstance(module, TopKRouter)]
+
+
+@contextlib.contextmanager
+def counting_routed_tokens(routers: list):
+    """Yields {router: [E] tokens routed to each expert} that fills during forwards: padding
+    excluded (the router's padding mask), top-k choices counted once each."""
+    counts = {router: None for router in routers}
+
+    def count(router, args, output):
+        routing_map = output[1]
+        padding = args[1] if len(args) > 1 else None
+        if padding is not None:
+            routing_map = routing_map & ~padding.reshape(-1, 1)
+        tokens = routing_map.sum(dim=0).float()
+        counts[router] = tokens if counts[router] is None else counts[router] + tokens
+
+    handles = [router.register_forward_hook(count) for router in routers]
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def sum_over_ranks(counts: dict) -> dict:
+    """Each router's counts summed over the ranks holding other tokens: its tensor/context group
+    (sequence-parallel shards), then data parallel."""
+    for router, tokens in counts.items():
+        torch.distributed.all_reduce(tokens, group=router.tp_cp_group)
+        torch.distributed.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
+    return counts
+
+
+@contextlib.contextmanager
+def global_load_statistics(counts: dict, global_router_tokens: torch.Tensor):
+    """During the training pass, each router's load-balancing loss uses the global batch's counts
+    (module docstring). Its gradient comes out as the global loss's share of this microbatch once
+    megatron multiplies by the valid tokens and ``moe_grad_scale`` divides by N."""
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+    def global_aux_loss(router, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        coefficient = router.get_aux_loss_coeff("aux_loss")
+        if coefficient == 0:
+            return probs
+        tokens_per_expert = counts[router]
+        aux_loss = switch_load_balancing_loss_func(
+            probs=scores_for_aux_loss,
+            tokens_per_expert=tokens_per_expert,
+            total_num_tokens=tokens_per_expert.sum() / router.topk,
+            topk=router.topk,
+            num_experts=router.config.num_moe_experts,
+            moe_aux_loss_coeff=coefficient,
+            fused=router.config.moe_router_fusion,
+        )
+        valid = global_router_tokens / router.tp_cp_group.size()
+        return router.attach_and_log_load_balancing_loss(probs, coefficient, aux_loss, "load_balancing_loss", router.tp_cp_group, valid_token_count=valid)
+
+    for router in counts:
+        router._apply_aux_loss = functools.partial(global_aux_loss, router)
+    try:
+        yield
+    finally:
+        for router in counts:
+            del router._apply_aux_loss
+
+
+def get_moe_metrics(config, num_microbatches: int, global_statistics: bool) -> dict[str, float]:
     """The router's load-balancing loss of the step (megatron's MoE metrics tracker: mean over
-    MoE layers, MTP layers included, and microbatches, averaged over data parallel), as
+    MoE layers, MTP layers included; the mean over microbatches and data-parallel ranks, or, with
+    global statistics, where each microbatch holds its share of the global loss, their sum), as
     ``moe/<name>``; the tracker is reset. Collective over all ranks. {} without MoE."""
     if not moe_enabled(config):
         return {}
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     losses: dict[str, torch.Tensor] = {}
+    # The tracker averages over data parallel; a sum of shares is undone from that average.
+    shares = parallel_state.get_data_parallel_world_size()
     get_moe_metrics_tracker().report(
-        loss_scale=1.0 / num_microbatches,
+        loss_scale=shares if global_statistics else 1.0 / num_microbatches,
         iteration=0,
         total_loss_dict=losses,
         num_layers=config.num_layers,

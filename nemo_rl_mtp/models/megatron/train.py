@@ -87,7 +87,12 @@ def forward_backward_global_batch(
     microbatches = microbatches_for_this_rank(batch, policy_cfg, device)
     model.zero_grad_buffer()
     policy.optimizer.zero_grad()
-    with cpu_runtime.device_scope(), mtp_grad_scale(config, mtp_tokens), moe.moe_grad_scale(config, router_tokens):
+    with (
+        cpu_runtime.device_scope(),
+        mtp_grad_scale(config, mtp_tokens),
+        moe.moe_grad_scale(config, router_tokens),
+        global_moe_load_statistics(model, microbatches, policy_cfg.megatron_cfg, router_tokens),
+    ):
         microbatch_metrics = run_schedule(
             model,
             microbatches,
@@ -101,12 +106,39 @@ def forward_backward_global_batch(
             forward_only=False,
         )
     metrics = with_expected_acceptance(sum_over_global_batch(microbatch_metrics, device))
-    metrics.update(moe.get_moe_metrics(config, len(microbatches)))
+    metrics.update(moe.get_moe_metrics(config, len(microbatches), moe.uses_global_load_statistics(policy_cfg.megatron_cfg)))
     metrics["global_valid_tokens"] = float(global_tokens)
     if mtp_enabled(config):
         metrics["mtp/grad_norm"] = mtp_gradient_norm(model)
         metrics["mtp/global_valid_tokens"] = float(mtp_tokens)
     return metrics, len(microbatches)
+
+
+@contextlib.contextmanager
+def global_moe_load_statistics(model, microbatches: list[Microbatch], megatron_cfg, router_tokens):
+    """With ``moe_router_load_balancing_type: global_batch_aux_loss``, route every microbatch once
+    (forward only, eval mode, MTP layers included), then train with each router's load-balancing
+    loss on the global batch's token counts (``moe.global_load_statistics``)."""
+    if not moe.uses_global_load_statistics(megatron_cfg):
+        yield
+        return
+    with moe.counting_routed_tokens(moe.routers_of(model.module)) as counts:
+        _routing_pass(model, microbatches)
+    with moe.global_load_statistics(moe.sum_over_ranks(counts), router_tokens):
+        yield
+
+
+def _routing_pass(model, microbatches: list[Microbatch]) -> None:
+    def forward_step(data_iterator, model):
+        logits = model_forward(model, next(data_iterator))
+        return logits, lambda output: (torch.zeros((), device=output.device), {})
+
+    model.eval()
+    try:
+        with torch.no_grad():
+            run_schedule(model, microbatches, forward_step, forward_only=True)
+    finally:
+        model.train()
 
 
 def run_schedule(model, microbatches: list[Microbatch], forward_step_func, forward_only: bool) -> list:

@@ -104,3 +104,58 @@ def test_padding_stays_out_of_the_load_statistics(monkeypatch, padding_mask_give
     (_, unpacked), (_, packed) = results
     agree = all(torch.allclose(packed[name], unpacked[name], rtol=1e-3, atol=1e-6) for name in unpacked)
     assert agree == padding_mask_given
+
+
+@pytest.mark.parametrize("load_balancing", ["global_batch_aux_loss", "aux_loss"])
+def test_global_batch_load_balancing_does_not_depend_on_the_microbatch_split(load_balancing):
+    """A ragged batch (different token mixes per microbatch) as one microbatch or four: with the
+    load measured over the global batch every gradient and metric agrees; with megatron's
+    per-microbatch ``aux_loss`` the router gradients differ (the control)."""
+    batch = make_batch([1, 9, 3, 4, 8, 2, 6, 5], sample_mask=[1, 1, 1, 0, 1, 1, 1, 1])
+    results = []
+    for micro_batch_size in (8, 2):
+        policy, cfg = make_policy(
+            **MOE,
+            megatron_cfg__moe_router_load_balancing_type=load_balancing,
+            megatron_cfg__moe_aux_loss_coeff=0.1,
+            train_micro_batch_size=micro_batch_size,
+            train_global_batch_size=8,
+        )
+        results.append(run_step(policy, cfg, batch, PG_LOSS))
+    (metrics_one, grads_one), (metrics_four, grads_four) = results
+    routers_agree = all(torch.allclose(grads_four[name], grad, rtol=1e-4, atol=1e-7) for name, grad in _router_gradients(grads_one).items())
+    assert routers_agree == (load_balancing == "global_batch_aux_loss")
+    if load_balancing == "global_batch_aux_loss":
+        for name in grads_one:
+            torch.testing.assert_close(grads_four[name], grads_one[name], rtol=1e-4, atol=1e-7, msg=name)
+        assert metrics_four["moe/load_balancing_loss"] == pytest.approx(metrics_one["moe/load_balancing_loss"], rel=1e-5)
+
+
+def test_global_batch_load_balancing_loss_is_the_switch_loss_of_the_whole_batch():
+    """The logged loss against the Switch formula written out over the global batch, per MoE
+    layer: E / (k T^2) * sum_e F_e * sum_x softmax(router logits of x)_e, with F_e the tokens
+    routed to expert e and T the tokens (padding excluded), averaged over layers."""
+    batch = make_batch([1, 9, 3, 4, 8, 2, 6, 5])
+    policy, cfg = make_policy(
+        **{**MOE, "megatron_cfg__mtp_num_layers": 0}, megatron_cfg__moe_aux_loss_coeff=0.1, train_micro_batch_size=2, train_global_batch_size=8
+    )
+    routers = moe.routers_of(policy.model.module)
+    seen = {router: [] for router in routers}
+    handles = [router.register_forward_hook(lambda module, args, output: seen[module].append((args[0], args[1], output[1]))) for router in routers]
+    try:
+        metrics, _ = run_step(policy, cfg, batch, PG_LOSS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    experts, topk = 4, 2
+    per_layer = []
+    for router in routers:
+        training_pass = seen[router][len(seen[router]) // 2 :]  # the routing pass came first
+        hidden = torch.cat([h.reshape(-1, h.shape[-1]) for h, _, _ in training_pass])
+        valid = ~torch.cat([p.reshape(-1) for _, p, _ in training_pass])
+        routed = torch.cat([r for _, _, r in training_pass])[valid].float().sum(dim=0)
+        with torch.no_grad():
+            probabilities = torch.softmax(hidden[valid] @ router.weight.t(), dim=-1)
+        tokens = valid.sum()
+        per_layer.append(experts / (topk * tokens**2) * (routed * probabilities.sum(dim=0)).sum())
+    assert metrics["moe/load_balancing_loss"] == pytest.approx(float(torch.stack(per_layer).mean()), rel=1e-4)
