@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 
 import torch
 
-from nemo_rl_mtp.models.megatron.data import causal_attention_mask
+from nemo_rl_mtp.models.megatron.data import causal_attention_mask, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ class SequenceDrafts:
         decoder output of the step). Positions from a rejected draft are overwritten: a request's
         step starts at its first unverified position."""
         active = slice(context.paused_request_count, context.total_request_count)
-        query_lengths = context.request_query_lengths[active].tolist()
-        starts = [sum(query_lengths[:i]) for i in range(len(query_lengths))]
+        starts = [0, *itertools.accumulate(context.request_query_lengths[active].tolist())]
         request_ids = context.request_ids[active].tolist()
         self._forget_finished(set(context.request_ids[: context.total_request_count].tolist()))
         for request_id, start, end in zip(request_ids, starts, (last_accepted + 1).tolist()):
@@ -77,7 +77,7 @@ class SequenceDrafts:
         [L, R, H] and tokens [R, L], right-padded to the longest sequence L."""
         histories = [self.histories[request_id] for request_id in request_ids]
         lengths = torch.tensor([tokens.numel() for tokens, _ in histories])
-        longest = _round_up(int(lengths.max()), _sequence_parallel_multiple(self.model))
+        longest = round_up(int(lengths.max()), _sequence_parallel_multiple(self.model))
         hidden = histories[0][1].new_zeros(longest, len(histories), histories[0][1].shape[-1])
         tokens = torch.zeros(len(histories), longest, dtype=torch.long, device=hidden.device)
         for row, (row_tokens, row_hidden) in enumerate(histories):
@@ -131,7 +131,7 @@ class SequenceDrafts:
     def serving_draft_steps(self, model):
         """Route the engine's ``compute_mtp_single_step`` calls of one draft round to
         :meth:`draft_step`, counting depths (a repeated layer is called without one)."""
-        depths = iter(range(1 << 30))
+        depths = itertools.count()
 
         def compute_mtp_single_step(hidden_states, next_token_ids, position_ids, depth=None, **unused):
             last_hidden, logits = self.draft_step(next_token_ids, next(depths) if depth is None else depth)
@@ -162,10 +162,6 @@ def _sequence_parallel_multiple(model) -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def upstream_drafts_have_context(model) -> bool:

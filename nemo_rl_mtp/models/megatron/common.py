@@ -67,3 +67,11 @@ def backward_seed_over(config, scale_func_attribute: str, global_count: torch.Te
         yield
     finally:
         setattr(config, scale_func_attribute, None)
+
+
+def sum_over_data_parallel(local: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A count over this rank's share of the global batch, summed over data-parallel ranks (one
+    all-reduce)."""
+    total = local.to(device=device, dtype=torch.float32)
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return total

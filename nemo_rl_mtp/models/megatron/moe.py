@@ -31,7 +31,7 @@ import functools
 import torch
 from megatron.core import parallel_state
 
-from nemo_rl_mtp.models.megatron.common import backward_seed_over
+from nemo_rl_mtp.models.megatron.common import backward_seed_over, sum_over_data_parallel
 
 MOE_CONFIG_KEYS = ("num_moe_experts", "moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
 
@@ -75,9 +75,7 @@ def check_moe_supported(megatron_cfg) -> None:
 
 def count_global_router_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """N: non-padding tokens of the global batch (one all-reduce over data parallel)."""
-    count = batch["input_lengths"].sum().to(device=device, dtype=torch.float32)
-    torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
-    return count
+    return sum_over_data_parallel(batch["input_lengths"].sum(), device)
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from nemo_rl_mtp.models.megatron.acceptance_forecast import (
     recording_mtp_logits,
     with_expected_acceptance,
 )
-from nemo_rl_mtp.models.megatron.common import backward_seed_over, broadcast_from_last_pipeline_stage
+from nemo_rl_mtp.models.megatron.common import backward_seed_over, broadcast_from_last_pipeline_stage, sum_over_data_parallel
 from nemo_rl_mtp.models.megatron.data import (
     Microbatch,
     compute_mtp_loss_mask,
@@ -162,9 +162,7 @@ def optimizer_step(policy: MegatronPolicyModel) -> dict[str, float]:
 
 def count_global_valid_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """G: policy-loss tokens summed over the global batch (one all-reduce over data parallel)."""
-    count = local_valid_tokens(batch).to(device=device, dtype=torch.float32)
-    torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
-    return count
+    return sum_over_data_parallel(local_valid_tokens(batch), device)
 
 
 _warned_about_reweighting = False
@@ -191,9 +189,7 @@ def warn_if_mtp_depths_are_reweighted(batch: dict[str, torch.Tensor], mtp_num_la
 def count_global_mtp_tokens(mtp_loss_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The MTP loss's G: its mask after megatron's first roll (what megatron counts as N_0),
     summed over the global batch. Equal to the policy's G unless ``mtp_loss_mask_policy`` gates."""
-    count = mtp_loss_mask[:, 1:].sum().to(device=device, dtype=torch.float32)
-    torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
-    return count
+    return sum_over_data_parallel(mtp_loss_mask[:, 1:].sum(), device)
 
 
 @contextlib.contextmanager

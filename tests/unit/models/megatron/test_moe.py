@@ -28,6 +28,22 @@ def _router_gradients(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {name: grad for name, grad in grads.items() if "router" in name}
 
 
+def _steps_per_micro_batch_size(batch: dict[str, torch.Tensor], micro_batch_sizes: tuple[int, ...], load_balancing: str) -> list:
+    """(metrics, gradients) of one step on the same weights and batch for each micro-batch size,
+    load-balancing loss on at weight 0.1."""
+    results = []
+    for micro_batch_size in micro_batch_sizes:
+        policy, cfg = make_policy(
+            **MOE,
+            megatron_cfg__moe_router_load_balancing_type=load_balancing,
+            megatron_cfg__moe_aux_loss_coeff=0.1,
+            train_micro_batch_size=micro_batch_size,
+            train_global_batch_size=batch["input_ids"].shape[0],
+        )
+        results.append(run_step(policy, cfg, batch, PG_LOSS))
+    return results
+
+
 def test_moe_trunk_and_moe_mtp_layer_train():
     policy, cfg = make_policy(**MOE, train_micro_batch_size=4, train_global_batch_size=8)
     names = [name for name, _ in policy.model.module.named_parameters()]
@@ -63,18 +79,9 @@ def test_load_balancing_gradient_does_not_grow_with_the_batch(monkeypatch):
 def test_one_microbatch_or_two_give_the_same_gradients_with_load_balancing(load_balancing):
     """A global batch of two identical halves, as one microbatch or two: policy, MTP and
     load-balancing gradients and metrics agree (each microbatch sees the same load statistics)."""
-    batch = _doubled(make_batch(BALANCED_RESPONSES))
-    results = []
-    for micro_batch_size in (16, 8):
-        policy, cfg = make_policy(
-            **MOE,
-            megatron_cfg__moe_router_load_balancing_type=load_balancing,
-            megatron_cfg__moe_aux_loss_coeff=0.1,
-            train_micro_batch_size=micro_batch_size,
-            train_global_batch_size=16,
-        )
-        results.append(run_step(policy, cfg, batch, PG_LOSS))
-    (metrics_one, grads_one), (metrics_two, grads_two) = results
+    (metrics_one, grads_one), (metrics_two, grads_two) = _steps_per_micro_batch_size(
+        _doubled(make_batch(BALANCED_RESPONSES)), (16, 8), load_balancing
+    )
     for name in grads_one:
         torch.testing.assert_close(grads_two[name], grads_one[name], rtol=1e-4, atol=1e-7, msg=name)
     for key in metrics_one:
@@ -112,17 +119,7 @@ def test_global_batch_load_balancing_does_not_depend_on_the_microbatch_split(loa
     load measured over the global batch every gradient and metric agrees; with megatron's
     per-microbatch ``aux_loss`` the router gradients differ (the control)."""
     batch = make_batch([1, 9, 3, 4, 8, 2, 6, 5], sample_mask=[1, 1, 1, 0, 1, 1, 1, 1])
-    results = []
-    for micro_batch_size in (8, 2):
-        policy, cfg = make_policy(
-            **MOE,
-            megatron_cfg__moe_router_load_balancing_type=load_balancing,
-            megatron_cfg__moe_aux_loss_coeff=0.1,
-            train_micro_batch_size=micro_batch_size,
-            train_global_batch_size=8,
-        )
-        results.append(run_step(policy, cfg, batch, PG_LOSS))
-    (metrics_one, grads_one), (metrics_four, grads_four) = results
+    (metrics_one, grads_one), (metrics_four, grads_four) = _steps_per_micro_batch_size(batch, (8, 2), load_balancing)
     routers_agree = all(torch.allclose(grads_four[name], grad, rtol=1e-4, atol=1e-7) for name, grad in _router_gradients(grads_one).items())
     assert routers_agree == (load_balancing == "global_batch_aux_loss")
     if load_balancing == "global_batch_aux_loss":
