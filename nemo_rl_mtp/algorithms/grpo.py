@@ -22,12 +22,14 @@ import torch
 from omegaconf import OmegaConf, read_write
 
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn, loss_sample_weights
-from nemo_rl_mtp.data.demonstrations import task_demonstrations
-from nemo_rl_mtp.data.tokenizer import DigitTokenizer
-from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
+from nemo_rl_mtp.data.demonstrations import prompt_demonstrations
+from nemo_rl_mtp.data.interfaces import PromptSource, TaskPrompt
+from nemo_rl_mtp.data.tokenizer import load_tokenizer
+from nemo_rl_mtp.environments import setup_task
+from nemo_rl_mtp.environments.interfaces import EnvironmentInterface
 from nemo_rl_mtp.models.generation.speculation import check_speculation_supported, speculation_metrics
 from nemo_rl_mtp.utils.checkpoint import CheckpointDirectory
-from nemo_rl_mtp.utils.config import EXEMPLAR_CONFIG, ConfigError
+from nemo_rl_mtp.utils.config import EXEMPLAR_CONFIG, ConfigError, resolve_checkpoint_keys
 from nemo_rl_mtp.utils.config_schema import GRPOConfig, LoggerConfig, MasterConfig
 from nemo_rl_mtp.utils.logger import Logger, read_metrics
 
@@ -72,6 +74,34 @@ def with_run_name(cfg: MasterConfig) -> MasterConfig:
 
 def run_directory(logger_cfg: LoggerConfig) -> Path:
     return Path(logger_cfg.log_dir) / logger_cfg.run_name
+
+
+def resolve_model(cfg: MasterConfig) -> MasterConfig:
+    """``cfg`` with what an imported checkpoint (``policy.model_name``) decides: its architecture
+    keys and MTP layer count; raises ConfigError where the checkpoint cannot be used as configured.
+    Opens the checkpoint's config only (megatron-bridge, about 15 s), before any worker starts."""
+    if cfg.policy.model_name is None:
+        return cfg
+    from nemo_rl_mtp.models.megatron import hf_checkpoint
+    from nemo_rl_mtp.models.megatron.setup import resolve_transformer_impl
+
+    try:
+        facts = hf_checkpoint.checkpoint_facts(
+            hf_checkpoint.open_checkpoint(cfg.policy.model_name, cfg.policy.trust_remote_code), cfg.policy.model_name
+        )
+    except hf_checkpoint.CheckpointError as error:
+        raise ConfigError(str(error)) from None
+    if facts.multi_latent_attention and resolve_transformer_impl(cfg.policy.megatron_cfg.transformer_impl) != "transformer_engine":
+        raise ConfigError(
+            f"policy.model_name={cfg.policy.model_name}: {facts.architecture} uses multi-latent attention, which "
+            "megatron-core builds only with transformer_engine (a GPU)"
+        )
+    resolved = resolve_checkpoint_keys(cfg, facts)
+    logger.info(
+        "model: %s (%s) through megatron-bridge, %d MTP layer(s)%s", cfg.policy.model_name, facts.architecture,
+        resolved.policy.megatron_cfg.mtp_num_layers, " with weights" if facts.mtp_num_layers else " (new)",
+    )  # fmt: skip
+    return resolved
 
 
 def preflight_checks(cfg: MasterConfig) -> None:
@@ -139,40 +169,47 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
     ``overwrite`` replaces an existing run directory instead of refusing it."""
     from nemo_rl_mtp.models.policy.lm_policy import Policy
 
-    cfg = with_run_name(cfg)
+    cfg = resolve_model(with_run_name(cfg))
     preflight_checks(cfg)
     run_dir = run_directory(cfg.logger)
     checkpoints = checkpoint_directory(cfg, run_dir)
     resume_from = prepare_run_directory(run_dir, checkpoints, overwrite)
     if resume_from is not None:
         check_resumable_config(run_dir / "config.yaml", cfg)
-    tokenizer = DigitTokenizer()
-    env = DigitTaskEnvironment(cfg.env, tokenizer, cfg.grpo.val_num_prompts)
+    try:
+        tokenizer = load_tokenizer(cfg.policy.model_name, cfg.policy.trust_remote_code, cfg.data.apply_chat_template)
+    except ValueError as error:
+        raise ConfigError(f"policy.model_name={cfg.policy.model_name}: {error}") from None
+    prompts, env = setup_task(cfg, tokenizer)
     loss_fn = ClippedPGLossFn(
         ratio_clip_min=cfg.loss_fn.ratio_clip_min,
         ratio_clip_max=cfg.loss_fn.ratio_clip_max,
         reference_policy_kl_penalty=cfg.loss_fn.reference_policy_kl_penalty,
     )
-    prompt_generator = torch.Generator().manual_seed(cfg.grpo.seed)
     trainer_state = {"steps_done": 0, "wandb_run_id": None}
     if resume_from is not None:
         trainer_state = torch.load(resume_from / TRAINER_STATE, weights_only=False)
-        prompt_generator.set_state(trainer_state["prompt_generator"])
+        prompts.load_state_dict(_prompt_source_state(trainer_state))
         logger.info("resuming %s from %s (%d steps done)", run_dir, resume_from, trainer_state["steps_done"])
     policy = Policy(cfg, tokenizer.vocab_size)
     log = None
     try:
         if resume_from is not None:
             policy.load_checkpoint(resume_from)
-        warmup = warm_up(cfg, policy, env, tokenizer, prompt_generator) if resume_from is None else {}
+        warmup = warm_up(cfg, policy, prompts, tokenizer.pad_id) if resume_from is None else {}
         log = Logger(cfg.logger, run_dir, cfg, cfg.grpo.max_num_steps, trainer_state["steps_done"], trainer_state["wandb_run_id"])
         for step in range(trainer_state["steps_done"], cfg.grpo.max_num_steps):
-            metrics = grpo_step(cfg, step, policy, env, tokenizer, loss_fn, prompt_generator)
+            metrics = grpo_step(cfg, step, policy, prompts, env, tokenizer, loss_fn)
             if _validation_due(cfg.grpo, step):
-                metrics.update(validate(policy, env, tokenizer))
+                metrics.update(validate(policy, prompts, env, tokenizer))
             log.log({**warmup, **metrics} if step == 0 else metrics, step)
             if _checkpoint_due(cfg.checkpointing, step + 1, cfg.grpo.max_num_steps):
-                save_checkpoint(checkpoints, step + 1, policy, prompt_generator, log)
+                save_checkpoint(checkpoints, step + 1, policy, prompts, log)
+        if cfg.grpo.max_num_steps == trainer_state["steps_done"] == 0:  # validation only: the imported model, saved
+            metrics = validate(policy, prompts, env, tokenizer)
+            log.log({**warmup, **metrics}, 0)
+            if cfg.checkpointing.enabled:
+                save_checkpoint(checkpoints, 0, policy, prompts, log)
     finally:
         if log is not None:
             log.close()
@@ -182,6 +219,14 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
 
 
 TRAINER_STATE = "trainer_state.pt"
+
+
+def _prompt_source_state(trainer_state: dict) -> dict:
+    """The prompt order's state; runs saved before prompt sources existed kept the digit tasks'
+    generator state under ``prompt_generator``."""
+    if "prompt_source" in trainer_state:
+        return trainer_state["prompt_source"]
+    return {"generator": trainer_state["prompt_generator"]}
 
 
 def checkpoint_directory(cfg: MasterConfig, run_dir: Path) -> CheckpointDirectory:
@@ -270,13 +315,13 @@ def _leaves(config) -> dict:
     return dict(walk(OmegaConf.to_container(config, resolve=True), ""))
 
 
-def warm_up(cfg: MasterConfig, policy, env: DigitTaskEnvironment, tokenizer: DigitTokenizer, prompt_generator) -> dict[str, float]:
+def warm_up(cfg: MasterConfig, policy, prompts: PromptSource, pad_id: int) -> dict[str, float]:
     """``grpo.warmup_imitation_steps`` imitation steps, each on the correct answers to one global
     batch of training prompts; the last step's metrics as ``warmup/...``."""
     metrics, start = {}, time.perf_counter()
     for _ in range(cfg.grpo.warmup_imitation_steps):
-        digits = env.sample_prompts(cfg.policy.train_global_batch_size, prompt_generator)
-        metrics = policy.imitate(task_demonstrations(env.task, digits, tokenizer), cfg.grpo.warmup_lr)
+        batch = prompt_demonstrations(prompts.next_prompts(cfg.policy.train_global_batch_size), pad_id)
+        metrics = policy.imitate(batch, cfg.grpo.warmup_lr)
     if not metrics:
         return {}
     acceptance = metrics.get("mtp_1_acceptance_rate")
@@ -291,14 +336,14 @@ def _validation_due(grpo_cfg: GRPOConfig, step: int) -> bool:
     return step == 0 or (step + 1) % grpo_cfg.val_period == 0 or step + 1 == grpo_cfg.max_num_steps
 
 
-def validate(policy, env: DigitTaskEnvironment, tokenizer: DigitTokenizer) -> dict[str, float]:
-    """Greedy rollouts on the held-out prompts: ``val/reward``, ``val/accuracy`` (answers exactly
-    right) and, with speculation, the drafts' acceptance as ``val/draft_{i}_...`` and
-    ``val/tokens_per_decode_step``."""
-    prompts = [tokenizer.encode_prompt(digits) for digits in env.validation_prompts]
-    generation = policy.generate(prompts, tokenizer.eos_id, tokenizer.pad_id, seed=0, greedy=True)
-    rewards = torch.tensor(env.rewards(env.validation_prompts, responses_of(generation)))
-    metrics = {"val/reward": rewards.mean().item(), "val/accuracy": (rewards == 1.0).float().mean().item()}
+def validate(policy, prompts: PromptSource, env: EnvironmentInterface, tokenizer) -> dict[str, float]:
+    """Greedy rollouts on the held-out prompts, judged by the environment (``val/reward``,
+    ``val/accuracy``: answers exactly right, and the environment's own metrics) and, with
+    speculation, the drafts' acceptance as ``val/draft_{i}_...`` and ``val/tokens_per_decode_step``."""
+    held_out = prompts.validation_prompts
+    generation = policy.generate([prompt.prompt_ids for prompt in held_out], tokenizer.eos_id, tokenizer.pad_id, seed=0, greedy=True)
+    result = env.step(held_out, responses_of(generation))
+    metrics = {f"val/{key}": value for key, value in env.metrics(result).items()}
     metrics.update({f"val/{key.removeprefix('rollout/')}": value for key, value in speculation_metrics(generation).items()})
     return metrics
 
@@ -313,12 +358,12 @@ def _checkpoint_due(checkpointing_cfg, steps_done: int, max_num_steps: int) -> b
     return checkpointing_cfg.enabled and (steps_done % checkpointing_cfg.save_period == 0 or steps_done == max_num_steps)
 
 
-def save_checkpoint(checkpoints: CheckpointDirectory, steps_done: int, policy, prompt_generator, log) -> Path:
+def save_checkpoint(checkpoints: CheckpointDirectory, steps_done: int, policy, prompts: PromptSource, log) -> Path:
     """Policy shards (every worker) and the driver's state; complete only when all are written."""
 
     def write(directory: Path) -> None:
         policy.save_checkpoint(directory)
-        state = {"steps_done": steps_done, "prompt_generator": prompt_generator.get_state(), "wandb_run_id": log.wandb_run_id}
+        state = {"steps_done": steps_done, "prompt_source": prompts.state_dict(), "wandb_run_id": log.wandb_run_id}
         torch.save(state, directory / TRAINER_STATE)
 
     path = checkpoints.save(steps_done, write)
@@ -326,19 +371,18 @@ def save_checkpoint(checkpoints: CheckpointDirectory, steps_done: int, policy, p
     return path
 
 
-def grpo_step(cfg: MasterConfig, step: int, policy, env, tokenizer, loss_fn, prompt_generator) -> dict[str, float]:
+def grpo_step(cfg: MasterConfig, step: int, policy, prompts: PromptSource, env: EnvironmentInterface, tokenizer, loss_fn) -> dict[str, float]:
     grpo = cfg.grpo
     group_size = grpo.num_generations_per_prompt
     timings = {}
     start = time.perf_counter()
 
-    digits = env.sample_prompts(grpo.num_prompts_per_step, prompt_generator)
-    digits = [prompt for prompt in digits for _ in range(group_size)]
-    prompts = [tokenizer.encode_prompt(prompt) for prompt in digits]
-    generation = policy.generate(prompts, tokenizer.eos_id, tokenizer.pad_id, seed=grpo.seed * 100_003 + step)
+    samples: list[TaskPrompt] = [prompt for prompt in prompts.next_prompts(grpo.num_prompts_per_step) for _ in range(group_size)]
+    generation = policy.generate([sample.prompt_ids for sample in samples], tokenizer.eos_id, tokenizer.pad_id, seed=grpo.seed * 100_003 + step)
     timings["generation_s"] = time.perf_counter() - start
 
-    rewards = torch.tensor(env.rewards(digits, responses_of(generation)))
+    judged = env.step(samples, responses_of(generation))
+    rewards = judged.rewards
     advantages = group_advantages(rewards, group_size, grpo.normalize_rewards)
     batch = build_train_batch(generation, advantages, cfg.loss_fn.token_level_loss)
 
@@ -351,24 +395,24 @@ def grpo_step(cfg: MasterConfig, step: int, policy, env, tokenizer, loss_fn, pro
     train_start = time.perf_counter()
     train_metrics = []
     global_batch_size = cfg.policy.train_global_batch_size
-    for first in range(0, len(prompts), global_batch_size):
+    for first in range(0, len(samples), global_batch_size):
         minibatch = {key: value[first : first + global_batch_size] for key, value in batch.items()}
         train_metrics.append(policy.train(minibatch, loss_fn))
     timings["train_s"] = time.perf_counter() - train_start
     timings["step_s"] = time.perf_counter() - start
 
     response_tokens = batch["token_mask"].sum()
-    metrics = {
-        "train/reward": rewards.mean().item(),
-        "train/accuracy": (rewards == 1.0).float().mean().item(),
-        "train/response_length": (response_tokens / len(prompts)).item(),
+    metrics = {f"train/{key}": value for key, value in env.metrics(judged).items()}
+    metrics.update(prompts.counters())
+    metrics.update({
+        "train/response_length": (response_tokens / len(samples)).item(),
         "rollout/tokens_per_s": (response_tokens / timings["generation_s"]).item(),
         "rollout/decode_steps": float(generation["decode_steps"]),
         # Generation and training compute a token's logprob in different passes; they must agree.
         "train/generation_logprob_error": (
             ((generation["logprobs"] - batch["prev_logprobs"]).abs() * batch["token_mask"]).sum() / response_tokens
         ).item(),
-    }
+    })
     for key in train_metrics[0]:
         metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
     metrics["train/optimizer_steps"] = float(len(train_metrics))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from nemo_rl_mtp.data.tokenizer import DigitTokenizer
-from nemo_rl_mtp.environments.digit_tasks import expected_answer
+from nemo_rl_mtp.data.interfaces import TaskPrompt
+from nemo_rl_mtp.environments.digit_tasks import answer_ids, expected_answer, prompt_ids
 
 
 def demonstration_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -27,8 +27,16 @@ def demonstration_batch(prompts: list[list[int]], answers: list[list[int]], pad_
     }
 
 
-def task_demonstrations(task: str, digit_prompts: list[list[int]], tokenizer: DigitTokenizer) -> dict[str, torch.Tensor]:
+def prompt_demonstrations(prompts: list[TaskPrompt], pad_id: int) -> dict[str, torch.Tensor]:
+    """``demonstration_batch`` of task prompts and their demonstrated responses."""
+    missing = sum(prompt.demonstration_ids is None for prompt in prompts)
+    if missing:
+        raise ValueError(f"{missing} of {len(prompts)} prompts have no demonstration (a correct response) to imitate")
+    return demonstration_batch([prompt.prompt_ids for prompt in prompts], [prompt.demonstration_ids for prompt in prompts], pad_id)
+
+
+def task_demonstrations(task: str, digit_prompts: list[list[int]], tokenizer) -> dict[str, torch.Tensor]:
     """``demonstration_batch`` of a digit task: its prompts and correct answers."""
-    prompts = [tokenizer.encode_prompt(digits) for digits in digit_prompts]
-    answers = [tokenizer.encode_answer(expected_answer(task, digits)) for digits in digit_prompts]
+    prompts = [prompt_ids(task, digits, tokenizer) for digits in digit_prompts]
+    answers = [answer_ids(expected_answer(task, digits), tokenizer) for digits in digit_prompts]
     return demonstration_batch(prompts, answers, tokenizer.pad_id)

@@ -1,10 +1,21 @@
-"""Verifiable digit-string tasks small enough for a tiny model to learn on a CPU."""
+"""Verifiable digit-string tasks small enough for a tiny model to learn on a CPU: the environment
+that judges them, and the prompts, which the task generates itself.
+
+With the digit tasks' own tokenizer a prompt is ``<bos> digits =``; with a Hugging Face tokenizer
+(an imported model) the task is rendered as text (``reverse: 314 =`` -> ``413``) and tokenized by
+it, so every recipe runs on an imported model.
+"""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from nemo_rl_mtp.data.interfaces import PromptSource, TaskPrompt
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
+from nemo_rl_mtp.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from nemo_rl_mtp.utils.config import ConfigError
 from nemo_rl_mtp.utils.config_schema import EnvConfig
 
 
@@ -26,26 +37,86 @@ def answer_reward(expected: list[int], response: list[int]) -> float:
     return matches / max(len(expected), len(response), 1)
 
 
+def prompt_ids(task: str, digits: list[int], tokenizer) -> list[int]:
+    if isinstance(tokenizer, DigitTokenizer):
+        return tokenizer.encode_prompt(digits)
+    return tokenizer.prompt_ids(f"{task.replace('_', ' ')}: {''.join(map(str, digits))} =")
+
+
+def answer_ids(digits: list[int], tokenizer) -> list[int]:
+    """Token ids of the response that gives ``digits`` and ends."""
+    if isinstance(tokenizer, DigitTokenizer):
+        return tokenizer.encode_answer(digits)
+    return tokenizer.response_ids("".join(map(str, digits)))
+
+
+class DigitTaskEnvironment(EnvironmentInterface):
+    """Reward: the fraction of the expected answer's tokens (end-of-sequence token included) the
+    response gets right, position by position; 1.0 iff exact."""
+
+    def __init__(self, env_cfg: EnvConfig, tokenizer):
+        self.task = env_cfg.task
+        self.tokenizer = tokenizer
+
+    def step(self, prompts: list[TaskPrompt], responses: list[list[int]]) -> EnvironmentReturn:
+        rewards = self.rewards([prompt.answer for prompt in prompts], responses)
+        return EnvironmentReturn(torch.tensor(rewards), [{} for _ in prompts])
+
+    def rewards(self, digit_prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+        """Reward of each response (token ids after the prompt) to the digit prompt with the same index."""
+        return [
+            answer_reward(answer_ids(expected_answer(self.task, digits), self.tokenizer), self.tokenizer.response_tokens(response))
+            for digits, response in zip(digit_prompts, responses)
+        ]
+
+
 # Seeds the held-out validation prompts: a property of the task, the same for every run and seed.
 VALIDATION_SEED = 20_261_130
 
 
-class DigitTaskEnvironment:
-    def __init__(self, env_cfg: EnvConfig, tokenizer: DigitTokenizer, num_validation_prompts: int = 0):
+class DigitTaskPrompts(PromptSource):
+    """Digit strings of random length in [min_digits, max_digits] from a generator seeded with
+    the run's seed; validation prompts are distinct strings from a fixed seed, and never drawn
+    for training (a drawn validation prompt is drawn again)."""
+
+    def __init__(self, env_cfg: EnvConfig, tokenizer, seed: int, num_validation_prompts: int = 0, max_prompt_tokens: Optional[int] = None):
         self.task = env_cfg.task
         self.min_digits = env_cfg.min_digits
         self.max_digits = env_cfg.max_digits
         self.tokenizer = tokenizer
-        self.validation_prompts = self._distinct_prompts(num_validation_prompts, torch.Generator().manual_seed(VALIDATION_SEED))
-        self._held_out = {tuple(prompt) for prompt in self.validation_prompts}
+        longest = len(prompt_ids(self.task, [0] * self.max_digits, tokenizer))
+        if max_prompt_tokens is not None and longest > max_prompt_tokens:
+            raise ConfigError(
+                f"policy.max_total_sequence_length: env.max_digits={self.max_digits} prompts take {longest} tokens with this "
+                f"tokenizer, more than the {max_prompt_tokens} left after policy.generation.max_new_tokens"
+            )
+        self.generator = torch.Generator().manual_seed(seed)
+        self.validation_digits = self._distinct_prompts(num_validation_prompts, torch.Generator().manual_seed(VALIDATION_SEED))
+        self._held_out = {tuple(digits) for digits in self.validation_digits}
+        self.validation_prompts = [self.task_prompt(digits) for digits in self.validation_digits]
 
-    def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
-        """Digit strings of random length in [min_digits, max_digits], never one of the
-        validation prompts (a drawn validation prompt is drawn again)."""
+    def task_prompt(self, digits: list[int]) -> TaskPrompt:
+        return TaskPrompt(
+            prompt_ids=prompt_ids(self.task, digits, self.tokenizer),
+            answer=digits,
+            demonstration_ids=answer_ids(expected_answer(self.task, digits), self.tokenizer),
+        )
+
+    def next_prompts(self, num_prompts: int) -> list[TaskPrompt]:
+        return [self.task_prompt(digits) for digits in self.sample_digits(num_prompts, self.generator)]
+
+    def sample_digits(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
+        """``num_prompts`` digit strings drawn from ``generator``, none of them held out."""
         prompts = []
         while len(prompts) < num_prompts:
             prompts += [prompt for prompt in self._draw(num_prompts - len(prompts), generator) if tuple(prompt) not in self._held_out]
         return prompts
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
 
     def _draw(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
         lengths = torch.randint(self.min_digits, self.max_digits + 1, (num_prompts,), generator=generator)
@@ -56,13 +127,3 @@ class DigitTaskEnvironment:
         while len(distinct) < num_prompts:
             distinct.update(dict.fromkeys(tuple(prompt) for prompt in self._draw(num_prompts - len(distinct), generator)))
         return [list(prompt) for prompt in distinct]
-
-    def rewards(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
-        """Reward of each response (token ids after the prompt) to the prompt with the same index."""
-        return [
-            answer_reward(
-                self.tokenizer.encode_answer(expected_answer(self.task, digits)),
-                self.tokenizer.response_tokens(response),
-            )
-            for digits, response in zip(prompts, responses)
-        ]

@@ -23,9 +23,10 @@ EXEMPLAR_CONFIG = REPO_ROOT / "examples" / "configs" / "grpo_mtp.yaml"
 _CHOICES = {
     "policy.megatron_cfg.transformer_impl": {"auto", "local", "transformer_engine"},
     "policy.megatron_cfg.params_dtype": {"float32", "bfloat16"},
-    "policy.megatron_cfg.normalization": {"LayerNorm", "RMSNorm"},
-    "policy.megatron_cfg.activation": {"gelu", "swiglu"},
-    "policy.megatron_cfg.position_embedding_type": {"rope", "learned_absolute"},
+    # None: an imported checkpoint's, which these choices cannot name.
+    "policy.megatron_cfg.normalization": {"LayerNorm", "RMSNorm", None},
+    "policy.megatron_cfg.activation": {"gelu", "swiglu", None},
+    "policy.megatron_cfg.position_embedding_type": {"rope", "learned_absolute", None},
     "policy.megatron_cfg.recompute_granularity": {None, "full", "selective"},
     "policy.megatron_cfg.recompute_method": {None, "uniform", "block"},
     "policy.megatron_cfg.moe_router_load_balancing_type": {"global_batch_aux_loss", "aux_loss", "seq_aux_loss", "none"},
@@ -33,7 +34,9 @@ _CHOICES = {
     "policy.generation.spec_verification": {"exact_match", "rejection_sampling"},
     "policy.mtp_loss_mask_policy": {"all_responses", "positive_advantage"},
     "policy.generation.draft_context": {"sequence", "single_position"},
+    "env.name": {"digits", "math"},
     "env.task": {"reverse", "sort", "count_up"},
+    "data.overlong_prompts": {"skip", "truncate"},
     "logger.wandb.mode": {"auto", "online", "offline"},
     "cluster.gpus_per_worker": {0, 1},
 }
@@ -44,7 +47,7 @@ _CHOICES = {
 _RANGES = {
     "grpo.num_prompts_per_step": (1, True, None, False),
     "grpo.num_generations_per_prompt": (2, True, None, False),
-    "grpo.max_num_steps": (1, True, None, False),
+    "grpo.max_num_steps": (0, True, None, False),
     "grpo.warmup_imitation_steps": (0, True, None, False),
     "grpo.warmup_lr": (0.0, False, None, False),
     "grpo.val_period": (1, True, None, False),
@@ -77,6 +80,7 @@ _RANGES = {
     "policy.megatron_cfg.optimizer.adam_eps": (0.0, False, None, False),
     "policy.megatron_cfg.optimizer.clip_grad": (0.0, True, None, False),
     "env.min_digits": (1, True, None, False),
+    "env.math.verify_timeout_s": (0.0, False, None, False),
     "cluster.num_nodes": (1, True, None, False),
     "cluster.workers_per_node": (1, True, None, False),
     "cluster.cpus_per_worker": (1, True, None, False),
@@ -93,6 +97,18 @@ _RANGES = {
     "policy.generation.engine.max_requests": (1, True, None, False),
     "policy.generation.engine.max_tokens": (1, True, None, False),
 }
+
+
+# The model's architecture: set from megatron_cfg for a GPT built from scratch, read from the
+# checkpoint for an imported one (policy.model_name), where setting one is an error.
+ARCHITECTURE_KEYS = tuple(
+    f"policy.megatron_cfg.{key}"
+    for key in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "normalization",
+        "activation", "position_embedding_type", "rotary_base", "share_embeddings_and_output_weights",
+        "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    )
+)  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -116,9 +132,79 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"keys without a value (add them to {EXEMPLAR_CONFIG}): {missing}")
+    _defer_checkpoint_keys(cfg, set().union(*(_leaf_keys(layer) for _, layer in layers[1:])))
     validate_config(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _defer_checkpoint_keys(cfg: DictConfig, set_keys: set[str]) -> None:
+    """With ``policy.model_name``, refuse architecture keys set by a recipe or an override (the
+    checkpoint has its own), and leave ``mtp_num_layers`` to the checkpoint (None until the
+    driver resolves it) unless one set it."""
+    if cfg.policy.model_name is None:
+        return
+    for key in ARCHITECTURE_KEYS:
+        if key in set_keys:
+            raise ConfigError(
+                f"{key}={OmegaConf.select(cfg, key)!r}: the architecture comes from policy.model_name="
+                f"{cfg.policy.model_name}; remove the key"
+            )
+    if "policy.megatron_cfg.mtp_num_layers" not in set_keys:
+        cfg.policy.megatron_cfg.mtp_num_layers = None
+
+
+def load_saved_config(path: str | Path) -> DictConfig:
+    """A run's saved ``config.yaml`` (already resolved, every key set), over the exemplar for keys
+    added since it was written; validated."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(MasterConfig), _load_yaml_with_defaults(EXEMPLAR_CONFIG), OmegaConf.load(path))
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{path}: {_describe(error)}") from None
+    validate_config(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def resolve_checkpoint_keys(cfg: DictConfig, facts) -> DictConfig:
+    """``cfg`` with its architecture keys and MTP layer count as the imported checkpoint has them
+    (``facts``: ``hf_checkpoint.CheckpointFacts``), validated again; raises ConfigError where the
+    config and the checkpoint disagree."""
+    megatron = cfg.policy.megatron_cfg
+    mtp_num_layers = megatron.mtp_num_layers
+    if facts.mtp_num_layers and mtp_num_layers is not None and mtp_num_layers != facts.mtp_num_layers:
+        raise ConfigError(
+            f"policy.megatron_cfg.mtp_num_layers={mtp_num_layers}: {facts.model_name} has {facts.mtp_num_layers} MTP "
+            f"layer(s) with weights; leave the key unset (or set it to {facts.mtp_num_layers})"
+        )
+    if mtp_num_layers is None:
+        mtp_num_layers = facts.mtp_num_layers or OmegaConf.load(EXEMPLAR_CONFIG).policy.megatron_cfg.mtp_num_layers
+    _require(
+        cfg.policy.max_total_sequence_length <= facts.max_position_embeddings,
+        "policy.max_total_sequence_length",
+        cfg.policy.max_total_sequence_length,
+        f"exceeds the {facts.max_position_embeddings} positions {facts.model_name} was built for",
+    )
+    resolved = OmegaConf.merge(cfg, {"policy": {"megatron_cfg": {**facts.architecture_keys, "mtp_num_layers": mtp_num_layers}}})
+    validate_config(resolved)
+    OmegaConf.set_readonly(resolved, True)
+    return resolved
+
+
+def _leaf_keys(layer: DictConfig) -> set[str]:
+    """Dotted keys of every leaf a config layer sets."""
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}"
+
+    return set(walk(OmegaConf.to_container(layer), ""))
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -134,6 +220,14 @@ def validate_config(cfg: DictConfig) -> None:
 
     policy = cfg.policy
     megatron = policy.megatron_cfg
+    if policy.model_name is None:
+        for key in ARCHITECTURE_KEYS:
+            _require(
+                key.endswith("moe_ffn_hidden_size") or OmegaConf.select(cfg, key) is not None,
+                key,
+                None,
+                "a model built from scratch needs it (null is only for policy.model_name's checkpoints)",
+            )
     _require(
         policy.train_global_batch_size % policy.train_micro_batch_size == 0,
         "policy.train_global_batch_size",
@@ -220,14 +314,7 @@ def _validate_grpo(cfg: DictConfig) -> None:
         grpo.num_prompts_per_step,
         f"must split evenly over the {data_parallel} data-parallel ranks that generate",
     )
-    _require(env.min_digits <= env.max_digits, "env.min_digits", env.min_digits, f"must be <= env.max_digits={env.max_digits}")
-    prompt_space = sum(10**length for length in range(env.min_digits, env.max_digits + 1))
-    _require(
-        grpo.val_num_prompts <= prompt_space // 4,
-        "grpo.val_num_prompts",
-        grpo.val_num_prompts,
-        f"must hold out at most a quarter of the task's {prompt_space} prompts (env.min_digits..max_digits)",
-    )
+    _validate_task(cfg)
     generation = policy.generation
     _require(
         generation.top_k == 0 or generation.top_p == 1.0,
@@ -235,15 +322,51 @@ def _validate_grpo(cfg: DictConfig) -> None:
         generation.top_k,
         f"cannot be combined with top_p={generation.top_p} (megatron samples with one or the other)",
     )
-    _validate_speculation(generation, megatron)
-    longest_prompt = env.max_digits + 2  # <bos> digits =
     _require(
-        longest_prompt + generation.max_new_tokens <= policy.max_total_sequence_length,
-        "policy.max_total_sequence_length",
-        policy.max_total_sequence_length,
-        f"too short for the longest prompt ({longest_prompt} tokens) plus max_new_tokens={generation.max_new_tokens}",
+        generation.max_new_tokens < policy.max_total_sequence_length,
+        "policy.generation.max_new_tokens",
+        generation.max_new_tokens,
+        f"leaves no room for a prompt in policy.max_total_sequence_length={policy.max_total_sequence_length}",
     )
-    _validate_mtp_depth(megatron.mtp_num_layers, longest_prompt + generation.max_new_tokens)
+    if megatron.mtp_num_layers is None:  # from the checkpoint: checked again once resolved
+        return
+    _validate_speculation(generation, megatron)
+    longest_sequence = policy.max_total_sequence_length
+    if policy.model_name is None and env.name == "digits":
+        longest_prompt = env.max_digits + 2  # <bos> digits =
+        _require(
+            longest_prompt + generation.max_new_tokens <= policy.max_total_sequence_length,
+            "policy.max_total_sequence_length",
+            policy.max_total_sequence_length,
+            f"too short for the longest prompt ({longest_prompt} tokens) plus max_new_tokens={generation.max_new_tokens}",
+        )
+        longest_sequence = longest_prompt + generation.max_new_tokens
+    _validate_mtp_depth(megatron.mtp_num_layers, longest_sequence)
+
+
+def _validate_task(cfg: DictConfig) -> None:
+    """The environment, where its prompts come from, and the tokenizer it needs."""
+    env, data, grpo = cfg.env, cfg.data, cfg.grpo
+    if env.name == "digits":
+        for key in ("train_data_path", "val_data_path"):
+            _require(data[key] is None, f"data.{key}", data[key], "the digits environment makes its own prompts; leave it unset")
+        _require(env.min_digits <= env.max_digits, "env.min_digits", env.min_digits, f"must be <= env.max_digits={env.max_digits}")
+        prompt_space = sum(10**length for length in range(env.min_digits, env.max_digits + 1))
+        _require(
+            grpo.val_num_prompts <= prompt_space // 4,
+            "grpo.val_num_prompts",
+            grpo.val_num_prompts,
+            f"must hold out at most a quarter of the task's {prompt_space} prompts (env.min_digits..max_digits)",
+        )
+        return
+    _require(
+        cfg.policy.model_name is not None,
+        "env.name",
+        env.name,
+        "judges text, which needs a tokenizer: set policy.model_name to a Hugging Face checkpoint",
+    )
+    for key in ("train_data_path", "val_data_path"):
+        _require(data[key] is not None, f"data.{key}", data[key], f"env.name={env.name} takes its prompts from JSONL files; set it")
 
 
 def _validate_mtp_depth(mtp_num_layers: int, longest_sequence: int) -> None:

@@ -35,15 +35,16 @@ class MegatronConfig:
     ffn_hidden_size: int
     num_attention_heads: int
     num_query_groups: int
-    normalization: str
-    activation: str
-    position_embedding_type: str
+    normalization: Optional[str]
+    activation: Optional[str]
+    position_embedding_type: Optional[str]
     rotary_base: int
     share_embeddings_and_output_weights: bool
     recompute_granularity: Optional[str]
     recompute_method: Optional[str]
     recompute_num_layers: Optional[int]
-    mtp_num_layers: int
+    # None only between loading and resolving a config whose MTP layers come from a checkpoint.
+    mtp_num_layers: Optional[int]
     mtp_loss_scaling_factor: float
     mtp_use_repeated_layer: bool
     mtp_detach_heads: bool
@@ -83,6 +84,8 @@ class GenerationConfig:
 
 @dataclass
 class PolicyConfig:
+    model_name: Optional[str]
+    trust_remote_code: bool
     train_global_batch_size: int
     train_micro_batch_size: int
     max_total_sequence_length: int
@@ -114,10 +117,27 @@ class LossConfig:
 
 
 @dataclass
+class MathEnvConfig:
+    verify_timeout_s: float
+
+
+@dataclass
 class EnvConfig:
+    name: str
     task: str
     min_digits: int
     max_digits: int
+    math: MathEnvConfig
+
+
+@dataclass
+class DataConfig:
+    train_data_path: Optional[str]
+    val_data_path: Optional[str]
+    prompt_key: str
+    answer_key: str
+    apply_chat_template: bool
+    overlong_prompts: str
 
 
 @dataclass
@@ -159,6 +179,7 @@ class MasterConfig:
     loss_fn: LossConfig
     policy: PolicyConfig
     env: EnvConfig
+    data: DataConfig
     cluster: ClusterConfig
     logger: LoggerConfig
     checkpointing: CheckpointingConfig

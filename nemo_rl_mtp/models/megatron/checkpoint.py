@@ -45,6 +45,16 @@ def load_policy(policy: MegatronPolicyModel, directory: Path) -> None:
         _set_rng_states(torch.load(rng_file, weights_only=False))
 
 
+def load_model_weights(model, directory: Path) -> None:
+    """The model's weights alone (no optimizer) from a checkpoint :func:`save_policy` wrote at any
+    parallel layout, into ``model`` (unwrapped GPTModel) at this process's layout."""
+    from megatron.core import dist_checkpointing
+
+    with cpu_runtime.device_scope():
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory / "policy"))
+        model.load_state_dict(state["model"])
+
+
 def _sharded_state_dict(policy: MegatronPolicyModel, is_loading: bool = False) -> dict:
     model_state = policy.model.module.sharded_state_dict()
     return {"model": model_state, "optimizer": policy.optimizer.sharded_state_dict(model_state, is_loading=is_loading)}

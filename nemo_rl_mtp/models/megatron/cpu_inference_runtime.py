@@ -62,7 +62,7 @@ def install() -> bool:
     from megatron.core.transformer import attention
 
     torch.cuda.Event = HostEvent
-    torch.cuda.Stream = cpu_runtime.host_stream
+    torch.cuda.Stream = cpu_runtime.HostStream
     torch.cuda.stream = _host_stream_context
     attention.flash_attn_varlen_func = paged_attention.flash_attn_varlen_func
     attention.flash_attn_with_kvcache = paged_attention.flash_attn_with_kvcache

@@ -92,8 +92,13 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
-class _HostStream:
-    """Stands in for a CUDA stream on the CPU, where work is synchronous: waiting is a no-op."""
+class HostStream:
+    """Stands in for a CUDA stream on the CPU, where work is synchronous: waiting is a no-op. A
+    class, as ``torch.cuda.Stream`` is: code that names it in annotations (``Stream | None``) still
+    imports once it stands in for it."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        pass
 
     def wait_event(self, event) -> None:
         pass
@@ -105,8 +110,8 @@ class _HostStream:
         pass
 
 
-def host_stream(device=None) -> _HostStream:
-    return _HostStream()
+def host_stream(device=None) -> HostStream:
+    return HostStream()
 
 
 def _host_synchronize(device=None) -> None:

@@ -1,11 +1,14 @@
 """Build a megatron-core GPTModel (with its MTP block), DDP wrapper and optimizer from
-``policy.megatron_cfg``."""
+``policy.megatron_cfg``: its architecture from the architecture keys (a model built from scratch)
+or from a Hugging Face checkpoint (``policy.model_name``, through megatron-bridge, weights loaded),
+its training settings from the config in both cases."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +21,8 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from nemo_rl_mtp.models.megatron import compat, cpu_runtime, moe
+from nemo_rl_mtp.models.megatron import compat, cpu_runtime, hf_checkpoint, moe
+from nemo_rl_mtp.models.megatron.hf_checkpoint import ModelArchitecture
 from nemo_rl_mtp.models.megatron.packed_attention import PackedSequenceDotProductAttention
 
 logger = logging.getLogger(__name__)
@@ -60,12 +64,23 @@ def initialize_model_parallel(megatron_cfg, rank: int, world_size: int, init_met
     model_parallel_cuda_manual_seed(megatron_cfg.seed)
 
 
-def build_transformer_config(megatron_cfg) -> TransformerConfig:
+def build_transformer_config(megatron_cfg, architecture: Optional[ModelArchitecture] = None) -> TransformerConfig:
+    """The architecture (``architecture`` of an imported checkpoint, else the config's keys) with
+    this project's training settings on top."""
     compat.check_mtp_features_supported(megatron_cfg)
     moe.check_moe_supported(megatron_cfg)
-    dtype = _DTYPES[megatron_cfg.params_dtype]
+    config_kwargs = dict(architecture.config_fields) if architecture is not None else scratch_architecture(megatron_cfg)
+    config_kwargs.update(training_settings(megatron_cfg))
+    _apply_mtp_config(config_kwargs, megatron_cfg)
+    config_kwargs.update(moe.moe_config_kwargs(megatron_cfg))
+    config_class = architecture.config_class if architecture is not None else TransformerConfig
+    return config_class(**config_kwargs)
+
+
+def scratch_architecture(megatron_cfg) -> dict:
+    """TransformerConfig fields of a GPT built from the config's architecture keys."""
     swiglu = megatron_cfg.activation == "swiglu"
-    config_kwargs = dict(
+    return dict(
         num_layers=megatron_cfg.num_layers,
         hidden_size=megatron_cfg.hidden_size,
         ffn_hidden_size=megatron_cfg.ffn_hidden_size,
@@ -75,6 +90,14 @@ def build_transformer_config(megatron_cfg) -> TransformerConfig:
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=False,
+    )
+
+
+def training_settings(megatron_cfg) -> dict:
+    """TransformerConfig fields this project sets whatever the architecture: parallel layout,
+    dtype, no dropout, per-token loss normalisation, recompute, host-side initialisation on CPU."""
+    dtype = _DTYPES[megatron_cfg.params_dtype]
+    return dict(
         tensor_model_parallel_size=megatron_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=megatron_cfg.pipeline_model_parallel_size,
         context_parallel_size=megatron_cfg.context_parallel_size,
@@ -92,10 +115,22 @@ def build_transformer_config(megatron_cfg) -> TransformerConfig:
         recompute_method=megatron_cfg.recompute_method,
         recompute_num_layers=megatron_cfg.recompute_num_layers,
         use_cpu_initialization=not cpu_runtime.cuda_available(),
+        perform_initialization=True,
+        fp16=False,
+        autocast_dtype=dtype,
+        **_UNFUSED_PATHS,
     )
-    _apply_mtp_config(config_kwargs, megatron_cfg)
-    config_kwargs.update(moe.moe_config_kwargs(megatron_cfg))
-    return TransformerConfig(**config_kwargs)
+
+
+# The unfused paths this project's training step is tested with, where a checkpoint's provider
+# may ask for fused ones (each the TransformerConfig default, where the release has the field).
+_UNFUSED_PATHS = {
+    key: value
+    for key, value in dict(
+        cross_entropy_loss_fusion=False, masked_softmax_fusion=False, deallocate_pipeline_outputs=False, recompute_modules=["core_attn"]
+    ).items()
+    if key in {field.name for field in dataclasses.fields(TransformerConfig)}
+}
 
 
 def _apply_mtp_config(config_kwargs: dict, megatron_cfg) -> None:
@@ -107,6 +142,8 @@ def _apply_mtp_config(config_kwargs: dict, megatron_cfg) -> None:
     (``compat.check_mtp_features_supported``).
     """
     if "mtp_num_layers" not in megatron_cfg or not megatron_cfg["mtp_num_layers"]:
+        if config_kwargs.get("mtp_num_layers"):  # an imported architecture with MTP layers, turned off
+            config_kwargs["mtp_num_layers"] = None
         return
     supported = {field.name for field in dataclasses.fields(TransformerConfig)}
     for key in MTP_CONFIG_KEYS:
@@ -142,8 +179,15 @@ def build_layer_spec(transformer_impl: str, config: TransformerConfig):
     if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization=config.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm, normalization=config.normalization
+    )
     # The local spec's attention rejects packed sequences; ours handles them (see packed_attention).
     spec.submodules.self_attention.submodules.core_attention = PackedSequenceDotProductAttention
     return spec
@@ -156,8 +200,15 @@ def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
 
 
 def build_model(
-    megatron_cfg, config: TransformerConfig, vocab_size: int, max_sequence_length: int
+    megatron_cfg,
+    config: TransformerConfig,
+    vocab_size: int,
+    max_sequence_length: int,
+    architecture: Optional[ModelArchitecture] = None,
 ) -> tuple[DistributedDataParallel, str]:
+    """The GPTModel, DDP-wrapped; an imported ``architecture`` gives the output layer's size and
+    the position-embedding arguments, else the config's keys do (``vocab_size`` padded to the
+    tensor-parallel size)."""
     transformer_impl = resolve_transformer_impl(megatron_cfg.transformer_impl)
     layer_spec = build_layer_spec(transformer_impl, config)
     mtp_block_spec = None
@@ -165,18 +216,24 @@ def build_model(
         mtp_block_spec = get_gpt_mtp_block_spec(
             config, layer_spec, use_transformer_engine=transformer_impl == "transformer_engine"
         )
+    if architecture is not None:
+        model_kwargs = dict(architecture.model_kwargs, vocab_size=architecture.padded_vocab_size)
+    else:
+        model_kwargs = dict(
+            vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
+            share_embeddings_and_output_weights=megatron_cfg.share_embeddings_and_output_weights,
+            position_embedding_type=megatron_cfg.position_embedding_type,
+            rotary_base=megatron_cfg.rotary_base,
+        )
     with cpu_runtime.device_scope():  # construction moves tied embeddings with .cuda() under PP
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
-            vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
             max_sequence_length=max_sequence_length,
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=megatron_cfg.share_embeddings_and_output_weights,
-            position_embedding_type=megatron_cfg.position_embedding_type,
-            rotary_base=megatron_cfg.rotary_base,
             mtp_block_spec=mtp_block_spec,
+            **model_kwargs,
         )
     if cpu_runtime.cuda_available():
         model.cuda(torch.cuda.current_device())
@@ -214,6 +271,21 @@ def build_optimizer(model: DistributedDataParallel, megatron_cfg) -> MegatronOpt
         return get_megatron_optimizer(config, [model])
 
 
+def load_imported_weights(checkpoint, model: DistributedDataParallel, policy_cfg, config: TransformerConfig) -> None:
+    """The checkpoint's weights; MTP layers it has none of keep megatron's initialisation (normal
+    with the checkpoint's init_method_std, norms at 1), and the log says so."""
+    new_mtp_layers = mtp_enabled(config) and hf_checkpoint.checkpoint_mtp_layers(checkpoint) == 0
+    hf_checkpoint.load_hf_weights(checkpoint, model, new_mtp_layers)
+    logger.info("loaded the weights of %s through megatron-bridge", policy_cfg.model_name)
+    if new_mtp_layers:
+        logger.info(
+            "%s has no MTP weights: its %d MTP layer(s) are new, initialised by megatron-core (normal, std %g; norms 1)",
+            policy_cfg.model_name,
+            config.mtp_num_layers,
+            config.init_method_std,
+        )
+
+
 def finalize_grads_of_prenormalised_loss(model, num_tokens=None, **kwargs) -> None:
     """megatron's finalize_model_grads without its division by the token count: our losses are
     already divided by the global valid-token count (train.py), so dividing again would be wrong."""
@@ -221,15 +293,23 @@ def finalize_grads_of_prenormalised_loss(model, num_tokens=None, **kwargs) -> No
 
 
 def setup_megatron_policy(policy_cfg, vocab_size: int) -> MegatronPolicyModel:
-    """Model, optimizer and the config hooks megatron's schedule reads during a step."""
+    """Model, optimizer and the config hooks megatron's schedule reads during a step; with
+    ``policy.model_name`` the checkpoint's architecture and weights (``vocab_size``: the
+    tokenizer's, the ids the policy may sample)."""
     megatron_cfg = policy_cfg.megatron_cfg
-    config = build_transformer_config(megatron_cfg)
+    checkpoint = architecture = None
+    if policy_cfg.model_name is not None:
+        checkpoint = hf_checkpoint.open_checkpoint(policy_cfg.model_name, policy_cfg.trust_remote_code)
+        architecture = hf_checkpoint.imported_architecture(checkpoint, megatron_cfg.tensor_model_parallel_size)
+    config = build_transformer_config(megatron_cfg, architecture)
     if mtp_enabled(config):
         compat.apply_mtp_compat_shims()
     # Weights initialised on the CPU draw from torch's default generator: seed it, so every
     # data-parallel replica (and every rerun) starts from the same weights.
     torch.manual_seed(megatron_cfg.seed)
-    model, transformer_impl = build_model(megatron_cfg, config, vocab_size, policy_cfg.max_total_sequence_length)
+    model, transformer_impl = build_model(megatron_cfg, config, vocab_size, policy_cfg.max_total_sequence_length, architecture)
+    if checkpoint is not None:
+        load_imported_weights(checkpoint, model, policy_cfg, config)
     if mtp_enabled(config):
         compat.log_shim_coverage(model.module)
     optimizer = build_optimizer(model, megatron_cfg)

@@ -5,7 +5,9 @@ import torch
 from omegaconf import OmegaConf
 
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
-from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment, answer_reward, expected_answer
+from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment, DigitTaskPrompts, answer_reward, expected_answer
+
+DIGITS_CFG = OmegaConf.create({"task": "sort", "min_digits": 2, "max_digits": 4})
 
 
 @pytest.mark.parametrize(
@@ -34,14 +36,36 @@ def test_rewards_compare_answers_up_to_end_of_sequence():
     stops_early = [tokenizer.first_digit_id + 2, tokenizer.eos_id]
     rewards = env.rewards([[1, 2]] * 5, [answer, junk_after_eos, no_eos, bos_inside, stops_early])
     assert rewards == pytest.approx([1.0, 1.0, 2 / 3, 2 / 3, 1 / 3])
+    prompts = DigitTaskPrompts(OmegaConf.create({"task": "reverse", "min_digits": 2, "max_digits": 4}), tokenizer, seed=0)
+    result = env.step([prompts.task_prompt([1, 2])] * 2, [answer, no_eos])
+    assert result.rewards.tolist() == pytest.approx([1.0, 2 / 3])
+    assert env.metrics(result) == pytest.approx({"reward": 5 / 6, "accuracy": 0.5})
 
 
 def test_prompts_respect_the_digit_range_and_the_seed():
-    env = DigitTaskEnvironment(OmegaConf.create({"task": "sort", "min_digits": 2, "max_digits": 4}), DigitTokenizer())
-    prompts = env.sample_prompts(200, torch.Generator().manual_seed(1))
-    assert {len(prompt) for prompt in prompts} == {2, 3, 4}
-    assert all(0 <= digit <= 9 for prompt in prompts for digit in prompt)
-    assert prompts == env.sample_prompts(200, torch.Generator().manual_seed(1))
+    prompts = DigitTaskPrompts(DIGITS_CFG, DigitTokenizer(), seed=1).next_prompts(200)
+    digits = [prompt.answer for prompt in prompts]
+    assert {len(prompt) for prompt in digits} == {2, 3, 4}
+    assert all(0 <= digit <= 9 for prompt in digits for digit in prompt)
+    assert digits == [prompt.answer for prompt in DigitTaskPrompts(DIGITS_CFG, DigitTokenizer(), seed=1).next_prompts(200)]
+    assert digits != [prompt.answer for prompt in DigitTaskPrompts(DIGITS_CFG, DigitTokenizer(), seed=2).next_prompts(200)]
+
+
+def test_prompt_order_resumes_from_its_state():
+    source = DigitTaskPrompts(DIGITS_CFG, DigitTokenizer(), seed=3)
+    source.next_prompts(7)
+    state = source.state_dict()
+    expected = [prompt.answer for prompt in source.next_prompts(5)]
+    resumed = DigitTaskPrompts(DIGITS_CFG, DigitTokenizer(), seed=3)
+    resumed.load_state_dict(state)
+    assert [prompt.answer for prompt in resumed.next_prompts(5)] == expected
+
+
+def test_prompts_carry_their_correct_answer_as_demonstration():
+    tokenizer = DigitTokenizer()
+    prompt = DigitTaskPrompts(DIGITS_CFG, tokenizer, seed=0).task_prompt([3, 1, 2])
+    assert prompt.prompt_ids == [tokenizer.bos_id, 7, 5, 6, tokenizer.sep_id]
+    assert prompt.demonstration_ids == [5, 6, 7, tokenizer.eos_id]  # sorted: 1 2 3, then </s>
 
 
 def test_training_prompts_never_include_a_validation_prompt():
@@ -49,11 +73,11 @@ def test_training_prompts_never_include_a_validation_prompt():
     from nemo_rl_mtp.utils.config import load_config
 
     env_cfg = load_config().env
-    env = DigitTaskEnvironment(env_cfg, DigitTokenizer(), num_validation_prompts=128)
-    held_out = {tuple(prompt) for prompt in env.validation_prompts}
+    source = DigitTaskPrompts(env_cfg, DigitTokenizer(), seed=0, num_validation_prompts=128)
+    held_out = {tuple(prompt.answer) for prompt in source.validation_prompts}
     assert len(held_out) == 128
-    assert DigitTaskEnvironment(env_cfg, DigitTokenizer(), 128).validation_prompts == env.validation_prompts  # fixed
-    drawn = env.sample_prompts(20_000, torch.Generator().manual_seed(0))
+    assert DigitTaskPrompts(env_cfg, DigitTokenizer(), seed=5, num_validation_prompts=128).validation_digits == source.validation_digits  # fixed
+    drawn = source.sample_digits(20_000, torch.Generator().manual_seed(0))
     assert len(drawn) == 20_000 and not held_out & {tuple(prompt) for prompt in drawn}
-    unfiltered = DigitTaskEnvironment(env_cfg, DigitTokenizer()).sample_prompts(20_000, torch.Generator().manual_seed(0))
+    unfiltered = DigitTaskPrompts(env_cfg, DigitTokenizer(), seed=0).sample_digits(20_000, torch.Generator().manual_seed(0))
     assert len(held_out & {tuple(prompt) for prompt in unfiltered}) > 50  # control: the draws do hit it
