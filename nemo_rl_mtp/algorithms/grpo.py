@@ -213,6 +213,7 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
     finally:
         if log is not None:
             log.close()
+        env.close()
         policy.shutdown()
     logger.info("run logged to %s", run_dir)
     return read_metrics(run_dir / "metrics.jsonl")

@@ -37,6 +37,9 @@ class EnvironmentInterface(abc.ABC):
         the imitation warm start of prompts from a dataset; None where the task cannot say."""
         return None
 
+    def close(self) -> None:
+        """Release what the environment holds (processes, files); the run is over."""
+
     def metrics(self, result: EnvironmentReturn) -> dict[str, float]:
         """Metrics of a judged batch, unprefixed (GRPO logs them as ``train/...`` and
         ``val/...``): the mean reward, and ``accuracy``, the share of responses with reward 1."""

@@ -124,6 +124,10 @@ class MathEnvironment(EnvironmentInterface):
             )
         return EnvironmentReturn(torch.tensor(rewards, dtype=torch.float32), metadata)
 
+    def demonstration(self, answer) -> str:
+        """A correct response for the imitation warm start: the reference answer, boxed."""
+        return f"\\boxed{{{answer}}}"
+
     def metrics(self, result: EnvironmentReturn) -> dict[str, float]:
         answered = [sample["answered"] for sample in result.metadata]
         return {**super().metrics(result), "answer_rate": sum(answered) / max(len(answered), 1)}

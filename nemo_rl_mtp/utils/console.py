@@ -67,6 +67,10 @@ _QUIET_LOGGERS = {
     "megatron.core.dist_checkpointing.strategies.torch": logging.ERROR,  # "MCore's async save is deprecated"
     "torch.utils.cpp_extension": logging.ERROR,  # "No CUDA runtime is found" (expected on CPU)
     "ray._private.authentication": logging.ERROR,  # token authentication notice of a local instance
+    # megatron-bridge: its trust_remote_code reminder (the config asked for it), fusions unavailable
+    # on CPU, FlexAttention notices, failed optional imports of TE symbols.
+    "megatron.bridge": logging.ERROR,
+    "transformers": logging.ERROR,  # "`torch_dtype` is deprecated" from megatron-bridge's own calls
 }
 
 

@@ -65,6 +65,14 @@ def test_recipe_inherits_through_defaults(tmp_path):
         ("loss_fn.reference_policy_kl_penalty=-0.1", "loss_fn.reference_policy_kl_penalty"),
         ("cluster.workers_per_node=0", "cluster.workers_per_node=0"),
         ("checkpointing.save_period=0", "checkpointing.save_period=0"),
+        ("env.name=chess", "env.name='chess' is not one of ['digits', 'math']"),
+        ("env.name=math", "env.name='math': judges text, which needs a tokenizer: set policy.model_name"),
+        ("env.name=math policy.model_name=x", "data.train_data_path=None: env.name=math takes its prompts from JSONL files"),
+        ("data.train_data_path=t.jsonl", "data.train_data_path='t.jsonl': the digits environment makes its own prompts"),
+        ("data.overlong_prompts=drop", "data.overlong_prompts='drop' is not one of ['skip', 'truncate']"),
+        ("env.math.verify_timeout_s=0", "env.math.verify_timeout_s=0.0: must be in (0.0, inf)"),
+        ("policy.megatron_cfg.activation=null", "policy.megatron_cfg.activation=None: a model built from scratch needs it"),
+        ("policy.model_name=x policy.megatron_cfg.num_layers=4", "policy.megatron_cfg.num_layers=4: the architecture comes from policy.model_name=x"),
         # Measured: layers 10-20 logged loss 0.0 and acceptance 0% at every step, without a word.
         ("policy.megatron_cfg.mtp_num_layers=20", "MTP layers 10-20 would never get a target; use at most 9"),
     ],
@@ -78,6 +86,13 @@ def test_the_deepest_mtp_layer_that_can_get_a_target_is_accepted():
     """Prompts of at most 4 digits are 6 tokens, plus 5 response tokens: the last response token
     sits at position 10, and depth 9 predicts it from position 0."""
     assert load_config(overrides=["policy.megatron_cfg.mtp_num_layers=9"]).policy.megatron_cfg.mtp_num_layers == 9
+
+
+def test_with_a_checkpoint_the_mtp_layer_count_waits_for_it_unless_set():
+    """The driver fills in the checkpoint's count (resolve_checkpoint_keys); one set is checked against it."""
+    assert load_config(overrides=["policy.model_name=x"]).policy.megatron_cfg.mtp_num_layers is None
+    assert load_config(overrides=["policy.model_name=x", "policy.megatron_cfg.mtp_num_layers=2"]).policy.megatron_cfg.mtp_num_layers == 2
+    assert load_config().policy.megatron_cfg.mtp_num_layers == 1
 
 
 def test_unknown_key_in_a_recipe_names_file_and_key(tmp_path):

@@ -38,6 +38,7 @@ def import_megatron_bridge():
     """``megatron.bridge`` with the patches this machine needs, each logged once."""
     if "megatron.bridge" in sys.modules and hasattr(sys.modules["megatron.bridge"], "AutoBridge"):
         return sys.modules["megatron.bridge"]
+    stand_in_used = False
     with root_logging_kept():
         try:
             bridge = importlib.import_module("megatron.bridge")
@@ -52,7 +53,9 @@ def import_megatron_bridge():
                     f"megatron-bridge imports {still.name} from a module other than {LORA_MODULE}, the one te_stand_in "
                     "covers; this megatron-bridge release needs transformer_engine elsewhere"
                 ) from still
-            logger.info("megatron-bridge: %s imports transformer_engine, which is absent; shown an inert stand-in (te_stand_in)", LORA_MODULE)
+            stand_in_used = True
+    if stand_in_used:
+        logger.info("megatron-bridge: %s imports transformer_engine, which is absent; shown an inert stand-in (te_stand_in)", LORA_MODULE)
     apply_mtp_norm_alias()
     return bridge
 

@@ -193,3 +193,39 @@ def test_multi_latent_attention_is_refused_on_the_cpu(tmp_path):
     ).save_pretrained(tmp_path)  # fmt: skip
     with pytest.raises(ConfigError, match="multi-latent attention, which megatron-core builds only with transformer_engine"):
         resolved(tmp_path)
+
+
+def test_a_qwen3_checkpoint_gets_new_heads_in_megatron_bridges_qwen3_mtp_layout(tmp_path):
+    """A second architecture, transformers' own class (no remote code), with q/k layer norms: the
+    trunk's logits and tensors come back exactly, and the new MTP layer is exported under the
+    names megatron-bridge maps for Qwen3 (Qwen3-Next's ``mtp.*``)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from tiny_mimo_checkpoint import build_tokenizer
+
+    config = Qwen3Config(
+        vocab_size=336, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = Qwen3ForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    cfg = load_config(overrides=[f"policy.model_name={tmp_path}", "policy.max_total_sequence_length=32"])
+    bridge = hf_checkpoint.open_checkpoint(str(tmp_path), False)
+    cfg = resolve_checkpoint_keys(cfg, hf_checkpoint.checkpoint_facts(bridge, str(tmp_path)))
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from nemo_rl_mtp.models.megatron.setup import setup_megatron_policy
+
+    model_parallel_cuda_manual_seed(cfg.policy.megatron_cfg.seed)
+    policy = setup_megatron_policy(cfg.policy, 320)
+    assert policy.config.qk_layernorm and cfg.policy.megatron_cfg.mtp_num_layers == 1
+    logits, _ = megatron_logits(policy)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, reference(TOKENS).logits, rtol=0, atol=1e-5)
+    exported = hf_checkpoint.hf_state_dict(bridge, policy.model.module, 1)
+    source = reference.state_dict()
+    assert all(torch.equal(exported[name], tensor) for name, tensor in source.items())
+    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_norm.weight"} <= exported.keys() - source.keys()
