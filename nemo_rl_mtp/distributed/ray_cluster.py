@@ -1,18 +1,24 @@
-"""Ray: start or join a cluster, reserve one placement-group bundle per policy worker, and find
-the rendezvous address for torch.distributed on the node of the first worker.
+"""Ray: start or join a cluster, check that every node can start a worker, reserve one
+placement-group bundle per policy worker, and find the rendezvous address for torch.distributed
+on the node of the first worker.
 
-On a single machine the workers run the driver's own interpreter and virtual environment. Ray's
-uv integration (on by default when the driver runs under ``uv run``) would instead build a fresh
-virtual environment from a copy of the working directory for every run: tens of seconds per
-start, and with a ``PYENV_VERSION`` or ``UV_PYTHON`` that names another Python it tries to
-download an interpreter. Joining a cluster (``cluster.address``) keeps Ray's default, which is
-how the locked environment reaches the other nodes."""
+Without ``cluster.address`` a run starts a local Ray instance of its own (never one that a
+previous run left behind), and its workers run the driver's own interpreter and virtual
+environment. Ray's uv integration (on by default when the driver runs under ``uv run``) would
+instead build a fresh virtual environment from a copy of the working directory for every run:
+tens of seconds per start, and with a ``PYENV_VERSION`` or ``UV_PYTHON`` that names another Python
+it tries to download an interpreter.
+
+On a cluster, ``cluster.worker_python`` says how workers get their Python: ``driver`` (this
+interpreter, at the same path on every node: one container image or a shared filesystem) or
+``uv`` (Ray's uv integration: every node runs ``uv run`` on a copy of the working directory). Either
+way every node is probed before the policy starts: a node that cannot start a worker fails the
+run within ``cluster.node_probe_timeout_s``, naming the node and the cause its raylet gave."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -36,51 +42,124 @@ class PlacementError(RuntimeError):
 
 
 def init_ray(cluster_cfg: ClusterConfig) -> None:
-    """Join ``cluster.address`` when given, else start a local Ray instance (once per process)."""
+    """Join ``cluster.address`` when given (then probe its nodes), else start a new local Ray
+    instance (once per process)."""
     if ray.is_initialized():
         return
     with driver_sigterm_handler_kept():
-        if cluster_cfg.address is not None:
-            ray.init(address=cluster_cfg.address, log_to_driver=True)
-            logger.info("joined Ray cluster at %s", cluster_cfg.address)
-        else:
+        if cluster_cfg.address is None:
             workers_use_driver_environment()
-            ray.init(include_dashboard=False, log_to_driver=True)
+            logger.info("starting a local Ray instance")
+            # "local": a new instance, even where a previous Ray left its address behind.
+            ray.init(address="local", include_dashboard=False, log_to_driver=True)
             logger.info("started a local Ray instance: %s", ray.cluster_resources())
+            return
+        runtime_env = None
+        if cluster_cfg.worker_python == "driver":
+            workers_use_driver_environment()
+            runtime_env = {"py_executable": sys.executable}
+        ray.init(address=cluster_cfg.address, log_to_driver=True, runtime_env=runtime_env)
+    logger.info("joined Ray cluster at %s (workers' Python: %s)", cluster_cfg.address, _worker_python(cluster_cfg))
+    check_nodes_start_workers(cluster_cfg)
+
+
+def _worker_python(cluster_cfg: ClusterConfig) -> str:
+    if cluster_cfg.worker_python == "driver":
+        return f"{sys.executable} on every node (cluster.worker_python=driver)"
+    return "Ray's uv integration, uv run on every node (cluster.worker_python=uv)"
+
+
+@ray.remote(num_cpus=0)
+def _node_environment() -> dict:
+    import importlib.util
+
+    return {"python": sys.executable, "version": sys.version.split()[0], "has_project": importlib.util.find_spec("nemo_rl_mtp") is not None}
+
+
+def check_nodes_start_workers(cluster_cfg: ClusterConfig) -> None:
+    """Start one tiny task on every node and check it runs this project; raise PlacementError
+    naming the first node that cannot, with the cause its raylet reported, within
+    ``cluster.node_probe_timeout_s`` (Ray itself retries a failing start for minutes)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from nemo_rl_mtp.distributed.ray_compat import forwarded_log_lines
+
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    with forwarded_log_lines() as messages:
+        probes = {
+            _node_environment.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(): node
+            for node in nodes
+        }
+        ready, pending = ray.wait(list(probes), num_returns=len(probes), timeout=cluster_cfg.node_probe_timeout_s)
+    how = _worker_python(cluster_cfg)
+    for probe in pending:
+        ip = probes[probe]["NodeManagerAddress"]
+        ray.cancel(probe, force=True)
+        raise PlacementError(f"cluster: node {ip} started no worker within {cluster_cfg.node_probe_timeout_s:g} s with {how}: {_cause(messages.get(ip, []))}")
+    for probe in ready:
+        ip = probes[probe]["NodeManagerAddress"]
+        try:
+            found = ray.get(probe)
+        except Exception as error:  # the worker started but the probe failed there
+            raise PlacementError(f"cluster: node {ip} cannot run a worker ({type(error).__name__}: {str(error).splitlines()[0]})") from None
+        if not found["has_project"]:
+            raise PlacementError(
+                f"cluster: node {ip}'s Python ({found['python']}, {found['version']}) cannot import nemo_rl_mtp; install this "
+                "project's locked environment there, or use cluster.worker_python=uv"
+            )
+    logger.info("cluster: %d node(s) start workers (%s)", len(nodes), how)
+
+
+def _cause(lines: list[str]) -> str:
+    """The node's own explanation, from what its raylet forwarded: its last error line, then the
+    first and the innermost of the causes that follow it."""
+    reported = [line.strip() for line in lines if line.strip()]
+    errors = [index for index, line in enumerate(reported) if line.lower().startswith("error") or "not found" in line.lower()]
+    if not errors:
+        return "its raylet reported no error; see its logs (/tmp/ray/session_latest/logs on that node)"
+    last = errors[-1]
+    causes = [line for line in reported[last + 1 :] if line.startswith("cause:")]
+    return "; ".join(dict.fromkeys([reported[last], *causes[:1], *causes[-1:]]))
 
 
 @contextlib.contextmanager
 def driver_sigterm_handler_kept():
     """Put back the driver's SIGTERM handler, which ``ray.init`` replaces (with ``sys.exit``, and
     its core worker with a crash dump, exit status 134), so a driver that cleans up on SIGTERM
-    still does."""
+    still does. A SIGTERM that arrives while ``ray.init`` runs meets Ray's handler, which exits
+    with the signal's number: it is raised as the driver's own ``Terminated`` instead, so the run
+    ends the way any interrupted run ends."""
+    from nemo_rl_mtp.utils.console import Terminated
+
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if on_main_thread else None
     try:
         yield
+    except SystemExit as exit:
+        if exit.code == signal.SIGTERM:
+            raise Terminated() from None
+        raise
     finally:
         if on_main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
 def workers_use_driver_environment() -> None:
-    """Switch off Ray's ``uv run`` runtime-env hook for a local instance, so workers start from
-    the driver's interpreter (Ray's documented switch, read by ``ray.init``; idempotent)."""
-    from ray._private import ray_constants
+    """Switch off Ray's ``uv run`` runtime-env hook, so workers start from the driver's
+    interpreter (Ray's documented switch, read by ``ray.init``; idempotent)."""
+    from nemo_rl_mtp.distributed import ray_compat
 
-    if not ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV:
-        return
-    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
-    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
-    logger.info("Ray workers start from this interpreter (%s); Ray's uv run hook is off for this local instance", sys.executable)
+    if ray_compat.uv_hook_enabled() and ray_compat.disable_uv_hook():
+        logger.info("Ray workers start from this interpreter (%s); Ray's uv run hook is off", sys.executable)
 
 
 def local_ray_processes_alive() -> bool:
     """False once a Ray process this driver started has died, e.g. when a SIGTERM or Ctrl-C
     reached the whole process group; calls into the cluster would then wait for its GCS for a
     minute. (Always True for a joined cluster, whose processes this driver does not own.)"""
-    node = ray._private.worker._global_node
-    return node is None or not node.dead_processes()
+    from nemo_rl_mtp.distributed.ray_compat import local_processes_dead
+
+    return not local_processes_dead()
 
 
 def shutdown_ray() -> None:

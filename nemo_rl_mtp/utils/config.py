@@ -39,6 +39,7 @@ _CHOICES = {
     "data.overlong_prompts": {"skip", "truncate"},
     "logger.wandb.mode": {"auto", "online", "offline"},
     "cluster.gpus_per_worker": {0, 1},
+    "cluster.worker_python": {"driver", "uv"},
 }
 
 
@@ -84,6 +85,7 @@ _RANGES = {
     "cluster.num_nodes": (1, True, None, False),
     "cluster.workers_per_node": (1, True, None, False),
     "cluster.cpus_per_worker": (1, True, None, False),
+    "cluster.node_probe_timeout_s": (0.0, False, None, False),
     "checkpointing.save_period": (1, True, None, False),
     "checkpointing.keep_last": (0, True, None, False),
     "policy.generation.temperature": (0.0, False, None, False),

@@ -145,6 +145,8 @@ class ClusterConfig:
     num_nodes: int
     workers_per_node: int
     address: Optional[str]
+    worker_python: str
+    node_probe_timeout_s: float
     cpus_per_worker: int
     gpus_per_worker: int
 
