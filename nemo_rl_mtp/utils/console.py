@@ -53,25 +53,45 @@ def one_line(error: BaseException) -> str:
 # by the local Ray workers.
 VERBOSE_ENV = "NEMO_RL_MTP_VERBOSE"
 
-# Third-party output with no action for a user of this project (all shown again with --verbose).
+# Third-party output with no action for a user of this project, each by its message (all shown
+# again with --verbose); anything else they say still reaches the console.
 _QUIET_WARNINGS = (
-    # "Transformer Engine and Apex are not installed. Falling back to ..." (expected on CPU),
-    # megatron's MiMo/TransformerConfig notices.
-    dict(category=UserWarning, module=r"megatron\."),
+    # megatron-core on a machine without transformer_engine or apex (expected on CPU).
+    dict(category=UserWarning, message=r"(Transformer Engine and Apex are not installed|Apex is not installed)\. Falling back"),
+    dict(category=UserWarning, message=r"Only transformer-engine>=\S+ supports MoE experts"),
+    # megatron-core's notice about its multimodal MimoModelConfig, printed when megatron-bridge imports it.
+    dict(category=UserWarning, message=r"MimoModelConfig is experimental"),
     # Invalid escape sequences in megatron's docstrings, reported when its modules compile.
     dict(category=SyntaxWarning, message=r"invalid escape sequence"),
 )
-_QUIET_LOGGERS = {
-    "megatron.core.models.gpt.gpt_model": logging.ERROR,  # "GPTModel IS DEPRECATED", once per worker
-    "megatron.core.distributed.fsdp": logging.WARNING,  # Megatron-FSDP detection (FSDP is not used)
-    "megatron.core.dist_checkpointing.strategies.torch": logging.ERROR,  # "MCore's async save is deprecated"
-    "torch.utils.cpp_extension": logging.ERROR,  # "No CUDA runtime is found" (expected on CPU)
-    "ray._private.authentication": logging.ERROR,  # token authentication notice of a local instance
-    # megatron-bridge: its trust_remote_code reminder (the config asked for it), fusions unavailable
-    # on CPU, FlexAttention notices, failed optional imports of TE symbols.
-    "megatron.bridge": logging.ERROR,
-    "transformers": logging.ERROR,  # "`torch_dtype` is deprecated" from megatron-bridge's own calls
+# Log records, by the logger that makes them and the start of their message.
+_QUIET_RECORDS = {
+    "megatron.core.models.gpt.gpt_model": ("GPTModel IS DEPRECATED",),  # once per worker
+    "megatron.core.dist_checkpointing.strategies.torch": ("MCore's async save is deprecated",),  # our saves are synchronous
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),  # expected on CPU
+    "ray._private.authentication.authentication_token_setup": ("Token authentication is enabled",),  # a local instance's notice
+    # megatron-bridge: the reminder about trust_remote_code, which the config asked for; fusions
+    # that need TE or apex (expected on CPU); its own transformers calls' dtype deprecation.
+    "megatron.bridge.models.conversion.auto_bridge": ("Loading a model with trust_remote_code=True",),
+    "megatron.bridge.utils.fusions": ("gradient_accumulation_fusion requires",),
+    # Optional TE symbols megatron-bridge tries (this logger prints through a handler of its own).
+    "megatron.bridge.utils.import_utils": ("Import of ",),
+    "transformers.configuration_utils": ("`torch_dtype` is deprecated",),
+    "transformers.modeling_utils": ("`torch_dtype` is deprecated",),
 }
+# Loggers whose INFO lines are chatter (warnings and errors still show).
+_QUIET_INFO = ("megatron.core.distributed.fsdp", "megatron.bridge")
+
+
+class _DropMessages(logging.Filter):
+    """Drops the records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
 
 
 def quiet_third_party_output() -> None:
@@ -80,6 +100,10 @@ def quiet_third_party_output() -> None:
         return
     for rule in _QUIET_WARNINGS:
         warnings.filterwarnings("ignore", **rule)
-    for name, level in _QUIET_LOGGERS.items():
-        logging.getLogger(name).setLevel(level)
+    for name, prefixes in _QUIET_RECORDS.items():
+        named = logging.getLogger(name)
+        if not any(isinstance(existing, _DropMessages) for existing in named.filters):
+            named.addFilter(_DropMessages(prefixes))
+    for name in _QUIET_INFO:
+        logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("WANDB_SILENT", "true")

@@ -8,6 +8,7 @@ nodes see). Completeness (the directory becoming the latest checkpoint) is the d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 from pathlib import Path
@@ -26,8 +27,7 @@ def save_policy(policy: MegatronPolicyModel, directory: Path) -> None:
 
     (directory / "policy").mkdir(parents=True, exist_ok=True)
     (directory / "rng").mkdir(exist_ok=True)
-    _collect_write_results_in_process()
-    with cpu_runtime.device_scope():
+    with cpu_runtime.device_scope(), write_results_collected_in_process():
         dist_checkpointing.save(_sharded_state_dict(policy), str(directory / "policy"))
     torch.save(_rng_states(), directory / "rng" / f"rank_{torch.distributed.get_rank()}.pt")
 
@@ -78,14 +78,23 @@ def _set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _collect_write_results_in_process() -> None:
-    """dist_checkpointing's writer threads report to a multiprocessing Manager queue, created on
-    the first save of a process by spawning a manager process: 12 s on a 2-core VM (a new
-    interpreter importing torch), for every run. Our saves are synchronous, their writer threads
-    live in this process, so a plain queue carries the same results. Applied once, where megatron
-    still caches that queue in ``filesystem_async._results_queue``; skipped otherwise."""
+@contextlib.contextmanager
+def write_results_collected_in_process():
+    """For one synchronous save: dist_checkpointing's writer threads report to a queue that
+    megatron creates on first use as a multiprocessing Manager queue, by spawning a manager
+    process: 12 s on a 2-core VM (a new interpreter importing torch), once per run. A synchronous
+    save's writer threads live in this process, so a plain queue carries the same results. It is
+    megatron's cached ``filesystem_async._results_queue``, set for the save and put back after it,
+    so an asynchronous save (another process's writers) still gets megatron's own queue."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", "absent") is None:
-        filesystem_async._results_queue = queue.Queue()
-        logger.info("dist_checkpointing: write results collected in process (no manager process; saves are synchronous)")
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        if not hasattr(filesystem_async, "_results_queue"):
+            logger.warning("dist_checkpointing has no _results_queue to set: this save spawns its manager process")
+        yield
+        return
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = None

@@ -127,7 +127,8 @@ def training_settings(megatron_cfg) -> dict:
 _UNFUSED_PATHS = {
     key: value
     for key, value in dict(
-        cross_entropy_loss_fusion=False, masked_softmax_fusion=False, deallocate_pipeline_outputs=False, recompute_modules=["core_attn"]
+        cross_entropy_loss_fusion=False, masked_softmax_fusion=False, deallocate_pipeline_outputs=False, recompute_modules=["core_attn"],
+        cuda_graph_modules=[],
     ).items()
     if key in {field.name for field in dataclasses.fields(TransformerConfig)}
 }
