@@ -8,6 +8,12 @@ megatron-core's dynamic inference engine keeps keys and values in a paged cache 
 here take the same arguments and compute the same thing, all requests of a step in one batched
 matmul: a per-request loop measured 4x slower on a 2-core VM. Exact, not fast; causal masks are
 aligned bottom-right, as flash-attn aligns them when a request's queries are the last of its keys.
+
+A step reads only the blocks that hold tokens: the block table is as wide as the longest sequence
+the engine admits (``max_sequence_length``), so gathering all of it made a decode step cost
+O(maximum length) instead of O(tokens in use), and the response budget, not the responses, set
+the speed. The longest key length is read on the host once per call (flash-attn reads it on the
+device); this module runs only where there is no device.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ def paged_attention(
     (zeros on padding rows).
     """
     num_heads = queries.shape[2]
+    block_table = block_table[:, : blocks_in_use(key_lengths, key_cache.shape[1])]
     keys = _gather_blocks(key_cache, block_table, num_heads)
     values = _gather_blocks(value_cache, block_table, num_heads)
     scores = torch.einsum("bqhd,bkhd->bhqk", queries.float(), keys.float()) * softmax_scale
@@ -40,6 +47,12 @@ def paged_attention(
     # Padding query rows see no key: their softmax is NaN, and their output is zeroed below.
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return torch.einsum("bhqk,bkhd->bqhd", probs, values.float()).to(queries.dtype)
+
+
+def blocks_in_use(key_lengths: torch.Tensor, block_size: int) -> int:
+    """Blocks of the longest request: the block-table columns a step reads (at least one)."""
+    longest = int(key_lengths.max()) if key_lengths.numel() else 0
+    return max(-(-longest // block_size), 1)
 
 
 def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, num_heads: int) -> torch.Tensor:
