@@ -32,7 +32,7 @@ _CHOICES = {
     "policy.megatron_cfg.moe_token_dispatcher_type": {"allgather", "alltoall"},
     "policy.generation.spec_verification": {"exact_match", "rejection_sampling"},
     "policy.mtp_loss_mask_policy": {"all_responses", "positive_advantage"},
-    "policy.generation.draft_context": {"sequence", "single_position"},
+    "policy.generation.draft_context": {"incremental", "sequence", "single_position"},
     "env.task": {"reverse", "sort", "count_up"},
     "logger.wandb.mode": {"auto", "online", "offline"},
     "cluster.gpus_per_worker": {0, 1},

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from nemo_rl_mtp.models.generation import sequence_drafts
+from nemo_rl_mtp.models.generation import incremental_drafts, sequence_drafts
 from nemo_rl_mtp.models.generation.speculation import speculation_counts
 from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
@@ -50,6 +50,9 @@ class RolloutEngine:
         """
         self.engine.reset()
         self.engine.controller.sampling_rng.manual_seed(seed)
+        drafter = getattr(self.engine.controller, "drafter", None)
+        if hasattr(drafter, "reset"):
+            drafter.reset(len(prompts))
         with rollout_mode(self.policy.model), policy_sampling_distribution(
             self.policy.model.module, self.generation_cfg.temperature, self.policy.vocab_size
         ):
@@ -89,9 +92,11 @@ def build_engine(model, policy_cfg: PolicyConfig):
 
     cpu_inference_runtime.install()
     sizing = policy_cfg.generation.engine
+    controller = controller_class(model, policy_cfg.generation)
+    mtp_share = mtp_cache_share(model, controller, policy_cfg.generation.num_speculative_tokens)
     inference_config = InferenceConfig(
         block_size_tokens=sizing.block_size_tokens,
-        buffer_size_gb=sizing.buffer_size_gb,
+        buffer_size_gb=sizing.buffer_size_gb * (1.0 - mtp_share),
         max_requests=sizing.max_requests,
         max_tokens=sizing.max_tokens,
         max_sequence_length=policy_cfg.max_total_sequence_length,
@@ -99,16 +104,43 @@ def build_engine(model, policy_cfg: PolicyConfig):
     )
     with cpu_runtime.device_scope():
         context = DynamicInferenceContext(model.config, inference_config)
-        controller = controller_class(model, policy_cfg.generation)(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
+        controller = controller(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
         engine = DynamicInferenceEngine(controller=controller, context=context)
     InferenceMode.unset_active()
+    log_kv_memory(engine)
     return engine
+
+
+def mtp_cache_share(model, controller: type, num_speculative_tokens: int) -> float:
+    """The share of the engine's memory budget that incremental drafts keep for the MTP caches."""
+    if not issubclass(controller, incremental_drafts.IncrementalDraftsController):
+        return 0.0
+    return incremental_drafts.mtp_cache_share(model, incremental_drafts.mtp_cache_depths(model, num_speculative_tokens))
+
+
+def kv_memory(engine) -> dict[str, int]:
+    """Bytes of the engine's KV cache (``trunk``) and of the MTP depths' caches (``mtp``)."""
+    context = engine.context
+    drafter = getattr(engine.controller, "drafter", None)
+    mtp = drafter.cache.nbytes if isinstance(drafter, incremental_drafts.IncrementalDrafts) else 0
+    return {"trunk": context.block_size_bytes * context.kv_block_allocator.total_count, "mtp": mtp}
+
+
+def log_kv_memory(engine) -> None:
+    memory = kv_memory(engine)
+    if memory["mtp"]:
+        logger.info(
+            "KV cache: %.1f MiB for the decoder, %.1f MiB for the MTP depths' caches (%d blocks of %d tokens)",
+            memory["trunk"] / 2**20, memory["mtp"] / 2**20, engine.context.kv_block_allocator.total_count,
+            engine.context.block_size_tokens,
+        )
 
 
 def controller_class(model, generation_cfg: GenerationConfig) -> type:
     """megatron's TextGenerationController, verifying drafts as ``spec_verification`` says and
-    drafting from each request's sequence where ``draft_context`` asks for it and the installed
-    engine's draft step cannot see a request's earlier positions (:mod:`sequence_drafts`)."""
+    drafting as ``draft_context`` says where the installed engine's draft step cannot see a
+    request's earlier positions: from the MTP depths' KV caches (:mod:`incremental_drafts`) or
+    from each request's sequence (:mod:`sequence_drafts`)."""
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
     )
@@ -117,21 +149,28 @@ def controller_class(model, generation_cfg: GenerationConfig) -> type:
 
     verifying = {"exact_match": TextGenerationController, "rejection_sampling": RejectionSamplingController}
     chosen = verifying[generation_cfg.spec_verification]
-    if generation_cfg.num_speculative_tokens == 0 or generation_cfg.draft_context != "sequence":
+    if generation_cfg.num_speculative_tokens == 0 or generation_cfg.draft_context == "single_position":
         return chosen
     if sequence_drafts.upstream_drafts_have_context(model):
         logger.info("MTP drafts: the installed engine's draft step reads a request's context; using it as is")
         return chosen
+    drafting = sequence_drafts.with_sequence_drafts
+    if generation_cfg.draft_context == "incremental":
+        reason = incremental_drafts.unsupported_reason(model)
+        if reason is None:
+            drafting = incremental_drafts.with_incremental_drafts
+        else:
+            logger.warning("MTP drafts: no incremental drafts for %s; drafting from each request's sequence", reason)
     if getattr(model, "mtp", None) is None:  # a pipeline stage before the MTP layers: nothing to probe
-        return sequence_drafts.with_sequence_drafts(chosen)
+        return drafting(chosen)
     with rollout_mode(model):
         leak = sequence_drafts.serial_step_leak(model)
     logger.info(
         "MTP drafts: megatron-core's serial draft step sees one position per request (a draft's logits moved by %.1e "
-        "when another request's input changed); drafting from each request's sequence instead",
-        leak,
+        "when another request's input changed); drafting with each request's context instead (%s)",
+        leak, generation_cfg.draft_context,
     )
-    return sequence_drafts.with_sequence_drafts(chosen)
+    return drafting(chosen)
 
 
 class TokenIdsAsText:

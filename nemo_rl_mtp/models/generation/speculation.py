@@ -5,10 +5,11 @@ The path, step by step (all of it inside the engine, over the live training mode
   1. drafts        - after each verified step the MTP layers run serially from the last accepted
                      token: depth d proposes draft d + 1 from the token before it, sampled with the
                      request's sampling parameters (``num_speculative_tokens`` drafts per request;
-                     a repeated MTP layer may propose more than it has layers). With
-                     ``draft_context: sequence`` (default, :mod:`sequence_drafts`) each depth runs
-                     over the request's whole verified sequence, as in training; megatron's own
-                     step (``single_position``) sees the last position only
+                     a repeated MTP layer may propose more than it has layers). Each depth sees
+                     the request's whole verified sequence, as in training: from its own KV cache
+                     (``draft_context: incremental``, default, :mod:`incremental_drafts`) or by
+                     rerunning over the sequence (``sequence``, :mod:`sequence_drafts`);
+                     megatron's own step (``single_position``) sees the last position only
   2. verification  - the next forward pass runs the policy over [last token, drafts] at once.
                      ``spec_verification: rejection_sampling`` (default, :mod:`spec_verification`)
                      accepts draft x with probability min(1, p(x)/q(x)) and draws the token at the
