@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from nemo_rl_mtp.models.generation import incremental_drafts, sequence_drafts
+from nemo_rl_mtp.models.generation import engine_bookkeeping, incremental_drafts, sequence_drafts
 from nemo_rl_mtp.models.generation.speculation import speculation_counts
 from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
@@ -86,11 +86,11 @@ def build_engine(model, policy_cfg: PolicyConfig):
     ``InferenceMode`` flag; it is cleared here so training forwards stay training forwards."""
     from megatron.core.inference.config import InferenceConfig
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.inference.utils import InferenceMode
 
     cpu_inference_runtime.install()
+    engine_bookkeeping.install_vectorised_rewind()
     sizing = policy_cfg.generation.engine
     controller = controller_class(model, policy_cfg.generation)
     mtp_share = mtp_cache_share(model, controller, policy_cfg.generation.num_speculative_tokens)
@@ -105,7 +105,7 @@ def build_engine(model, policy_cfg: PolicyConfig):
     with cpu_runtime.device_scope():
         context = DynamicInferenceContext(model.config, inference_config)
         controller = controller(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
-        engine = DynamicInferenceEngine(controller=controller, context=context)
+        engine = engine_bookkeeping.SpeculativeBookkeepingEngine(controller=controller, context=context)
     InferenceMode.unset_active()
     log_kv_memory(engine)
     return engine
@@ -148,8 +148,11 @@ def controller_class(model, generation_cfg: GenerationConfig) -> type:
     from nemo_rl_mtp.models.generation.spec_verification import RejectionSamplingController
 
     verifying = {"exact_match": TextGenerationController, "rejection_sampling": RejectionSamplingController}
-    chosen = verifying[generation_cfg.spec_verification]
-    if generation_cfg.num_speculative_tokens == 0 or generation_cfg.draft_context == "single_position":
+    if generation_cfg.num_speculative_tokens == 0:
+        return TextGenerationController
+    verifier = verifying[generation_cfg.spec_verification]
+    chosen = type(f"Counting{verifier.__name__}", (engine_bookkeeping.AcceptanceCounts, verifier), {})
+    if generation_cfg.draft_context == "single_position":
         return chosen
     if sequence_drafts.upstream_drafts_have_context(model):
         logger.info("MTP drafts: the installed engine's draft step reads a request's context; using it as is")

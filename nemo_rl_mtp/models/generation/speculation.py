@@ -60,15 +60,14 @@ def check_speculation_supported(generation_cfg, megatron_cfg) -> None:
 
 
 def speculation_counts(engine) -> dict[str, torch.Tensor]:
-    """Drafts proposed and accepted per position ``[k]`` since the engine's last reset.
-
-    megatron keeps these in private counters (``_spec_tokens_{proposed,accepted}_per_pos``); a
-    request's decode step proposes at every position, so ``proposed[0]`` counts request-steps.
-    """
-    return {
-        "draft_proposed": engine._spec_tokens_proposed_per_pos.clone(),
-        "draft_accepted": engine._spec_tokens_accepted_per_pos.clone(),
-    }
+    """Drafts proposed and accepted per position ``[k]`` since the engine's last reset, as the
+    controller counts them once per step (:class:`engine_bookkeeping.AcceptanceCounts`, megatron's
+    rule: a decode request proposes at every position; draft i counts as accepted when the drafts
+    before it were). ``[0]`` without speculation."""
+    controller = engine.controller
+    if not hasattr(controller, "drafts_proposed"):
+        return {"draft_proposed": torch.zeros(0, dtype=torch.int64), "draft_accepted": torch.zeros(0, dtype=torch.int64)}
+    return {"draft_proposed": controller.drafts_proposed.clone(), "draft_accepted": controller.drafts_accepted.clone()}
 
 
 def speculation_metrics(counts: dict[str, torch.Tensor]) -> dict[str, float]:
