@@ -67,35 +67,39 @@ class RejectionSamplingController(TextGenerationController):
         super()._compute_serial_mtp_and_sample(*args, **kwargs)
 
     def _sample_from_logits_2d(self, logits_2d: torch.Tensor) -> torch.Tensor:
-        """One depth of drafts ([active requests]), with their distribution q recorded."""
-        tokens = super()._sample_from_logits_2d(logits_2d)
+        """One depth of drafts ([active requests]), drawn from q, megatron's sampling distribution
+        of the logits (its ``log_probs_kernel``: temperature, top-k, top-p), which is recorded."""
         context = self.inference_wrapped_model.inference_context
-        self._draft_tokens.append(tokens.clone())
-        self._draft_probs.append(self._sampling.log_probs_kernel(logits_2d, context).exp())
+        probs = self._sampling.log_probs_kernel(logits_2d, context).exp()
+        tokens = torch.multinomial(probs, 1, generator=self.sampling_rng).view(-1)
+        self._draft_tokens.append(tokens)
+        self._draft_probs.append(probs)
         return tokens
 
     def drafts_of_decode_requests(self, num_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [D, k] and their distributions [D, k, V] of the first ``num_decode`` active
-        requests, found by request id (the engine reorders requests between steps)."""
+        requests, found by request id (the engine reorders requests between steps). The check
+        that every one has drafts is asserted on the device: no host synchronisation."""
         context = self.inference_wrapped_model.inference_context
         active_ids = context.request_ids[context.paused_request_count : context.total_request_count][:num_decode]
         matches = active_ids.to(self._draft_request_ids.device)[:, None] == self._draft_request_ids[None, :]
-        if not bool(matches.any(dim=1).all()):
-            raise RuntimeError("rejection sampling: a decode request has no recorded MTP drafts")
+        torch._assert_async(matches.any(dim=1).all(), "rejection sampling: a decode request has no recorded MTP drafts")
         where = matches.int().argmax(dim=1)
         drafts = torch.stack(self._draft_tokens, dim=1)[where]
         probs = torch.stack(self._draft_probs, dim=1)[where]
         return drafts, probs
 
     def _verify_speculative_tokens(self, output_tokens, input_tokens_required, num_decode_requests, *args, **kwargs):
-        """The engine's equality check, after making sure the drafts it verifies are the ones
-        rejection sampling judged."""
+        """The engine's equality check, after asserting (on the device) that the drafts it
+        verifies are the ones rejection sampling judged."""
         if num_decode_requests:
             stride = self.num_speculative_tokens + 1
             verified = input_tokens_required.reshape(-1)[: num_decode_requests * stride].view(num_decode_requests, stride)[:, 1:]
             recorded, _ = self.drafts_of_decode_requests(num_decode_requests)
-            if not torch.equal(verified, recorded.to(verified.device)):
-                raise RuntimeError("rejection sampling: the drafts in the engine's input are not the recorded ones")
+            torch._assert_async(
+                (verified == recorded.to(verified.device)).all(),
+                "rejection sampling: the drafts in the engine's input are not the recorded ones",
+            )
         return super()._verify_speculative_tokens(output_tokens, input_tokens_required, num_decode_requests, *args, **kwargs)
 
 
