@@ -86,7 +86,6 @@ _RANGES = {
     "policy.generation.top_p": (0.0, False, 1.0, True),
     "policy.generation.top_k": (0, True, None, False),
     "policy.generation.max_new_tokens": (1, True, None, False),
-    "policy.generation.num_speculative_tokens": (0, True, None, False),
     "policy.generation.engine.block_size_tokens": (1, True, None, False),
     "policy.generation.engine.buffer_size_gb": (0.0, False, None, False),
     # null: megatron sizes them.
@@ -261,6 +260,12 @@ def _validate_mtp_depth(mtp_num_layers: int, longest_sequence: int) -> None:
 
 def _validate_speculation(generation, megatron) -> None:
     k = generation.num_speculative_tokens
+    _require(
+        k == "auto" or (isinstance(k, int) and k >= 0),
+        "policy.generation.num_speculative_tokens",
+        k,
+        "must be an integer >= 0 or auto",
+    )
     _require(
         k == 0 or megatron.mtp_num_layers > 0,
         "policy.generation.num_speculative_tokens",

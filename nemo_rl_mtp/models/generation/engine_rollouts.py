@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 
-from nemo_rl_mtp.models.generation import engine_bookkeeping, incremental_drafts, sequence_drafts
+from nemo_rl_mtp.models.generation import adaptive_speculation, engine_bookkeeping, incremental_drafts, sequence_drafts
 from nemo_rl_mtp.models.generation.speculation import speculation_counts
 from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
@@ -33,12 +34,28 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutEngine:
-    """megatron-core's DynamicInferenceEngine over one policy worker's live model."""
+    """megatron-core's DynamicInferenceEngine over one policy worker's live model. With
+    ``num_speculative_tokens: auto`` the drafts per step are chosen before each rollout
+    (:mod:`adaptive_speculation`) and the engine rebuilt when they change (one engine at a time:
+    its memory stays within the budget)."""
 
     def __init__(self, policy: MegatronPolicyModel, policy_cfg: PolicyConfig):
         self.policy = policy
+        self.policy_cfg = policy_cfg
         self.generation_cfg = policy_cfg.generation
-        self.engine = build_engine(policy.model.module, policy_cfg)
+        requested = self.generation_cfg.num_speculative_tokens
+        self.adaptive = None
+        if requested == adaptive_speculation.AUTO:
+            self.adaptive = adaptive_speculation.AdaptiveSpeculation(adaptive_speculation.auto_limit(policy_cfg.megatron_cfg))
+        self.num_speculative_tokens = 0 if self.adaptive is not None else requested
+        self.engine = build_engine(policy.model.module, policy_cfg, self.num_speculative_tokens)
+
+    def use_speculative_tokens(self, k: int) -> None:
+        """Rebuild the engine for ``k`` drafts per step if it has another number."""
+        if k != self.num_speculative_tokens:
+            self.engine = None  # the old engine's memory goes before the new one's comes
+            self.engine = build_engine(self.policy.model.module, self.policy_cfg, k)
+            self.num_speculative_tokens = k
 
     def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int, greedy: bool = False) -> dict[str, torch.Tensor]:
         """Sample a response to each prompt (token ids); with ``greedy``, the most likely one.
@@ -46,21 +63,47 @@ class RolloutEngine:
         Returns host tensors: ``tokens`` [B, S] (prompt + response, right-padded with ``pad_id``),
         ``lengths`` [B], ``prompt_lengths`` [B], ``logprobs`` [B, S] (token-aligned: each response
         token's log-prob under the sampling temperature, 0 elsewhere), ``decode_steps`` [] (engine
-        forward passes) and the speculation counts ``draft_proposed``/``draft_accepted`` [k].
+        forward passes) and the speculation counts ``draft_proposed``/``draft_accepted`` [k]; with
+        ``auto``, also ``speculative_tokens`` [] (the k chosen), ``expected_tokens_per_s`` and
+        ``engine_tokens_per_s`` [] (what the choice expected, what the engine delivered).
         """
+        params = self.sampling_params(eos_id, greedy)
+        with self.sampling_session():
+            choice = adaptive_speculation.choose(self, prompts, params, greedy) if self.adaptive is not None else None
+            start = time.perf_counter()
+            responses, decode_steps = self.run(prompts, params, seed)
+            seconds = time.perf_counter() - start
+        rollouts = right_padded_rollouts(prompts, responses, eos_id, pad_id)
+        rollouts["decode_steps"] = torch.tensor(decode_steps)
+        rollouts.update(speculation_counts(self.engine))
+        if choice is not None:
+            rollouts.update(adaptive_speculation.record(self.adaptive, choice, rollouts, greedy, seconds))
+        return rollouts
+
+    def run(self, prompts: list[list[int]], params, seed: int) -> tuple[list, int]:
+        """The engine, reset and reseeded, on ``prompts`` to completion (inside a sampling session)."""
+        self.start(prompts, seed)
+        return run_to_completion(self.engine, prompts, params)
+
+    def start(self, prompts: list[list[int]], seed: int) -> None:
         self.engine.reset()
         self.engine.controller.sampling_rng.manual_seed(seed)
         drafter = getattr(self.engine.controller, "drafter", None)
         if hasattr(drafter, "reset"):
             drafter.reset(len(prompts))
+
+    @contextlib.contextmanager
+    def sampling_session(self):
+        """Rollout mode and the policy's sampling distribution on the output layer."""
         with rollout_mode(self.policy.model), policy_sampling_distribution(
             self.policy.model.module, self.generation_cfg.temperature, self.policy.vocab_size
         ):
-            responses, decode_steps = run_to_completion(self.engine, prompts, self.sampling_params(eos_id, greedy))
-        rollouts = right_padded_rollouts(prompts, responses, eos_id, pad_id)
-        rollouts["decode_steps"] = torch.tensor(decode_steps)
-        rollouts.update(speculation_counts(self.engine))
-        return rollouts
+            yield
+
+    def observe_training_metrics(self, metrics: dict[str, float]) -> None:
+        """After a training step: its acceptance forecast for ``auto``."""
+        if self.adaptive is not None:
+            self.adaptive.observe_forecast(adaptive_speculation.forecast_from_metrics(metrics))
 
     def sampling_params(self, eos_id: int, greedy: bool = False):
         """megatron's SamplingParams for our generation config. Temperature is applied to the
@@ -80,33 +123,36 @@ class RolloutEngine:
         )
 
 
-def build_engine(model, policy_cfg: PolicyConfig):
-    """Context (paged KV cache), wrapper, controller and engine around ``model``, as megatron's
-    own ``MegatronLLM`` assembles them. The engine constructor sets the process-wide
-    ``InferenceMode`` flag; it is cleared here so training forwards stay training forwards."""
+def build_engine(model, policy_cfg: PolicyConfig, num_speculative_tokens: int):
+    """Context (paged KV cache), wrapper, controller and engine around ``model`` with
+    ``num_speculative_tokens`` drafts per step, as megatron's own ``MegatronLLM`` assembles them.
+    The engine constructor sets the process-wide ``InferenceMode`` flag; it is put back as it was
+    (cleared, outside a rollout) so training forwards stay training forwards."""
     from megatron.core.inference.config import InferenceConfig
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.inference.utils import InferenceMode
 
+    was_active = InferenceMode.is_active()
     cpu_inference_runtime.install()
     engine_bookkeeping.install_vectorised_rewind()
     sizing = policy_cfg.generation.engine
-    controller = controller_class(model, policy_cfg.generation)
-    mtp_share = mtp_cache_share(model, controller, policy_cfg.generation.num_speculative_tokens)
+    controller = controller_class(model, policy_cfg.generation, num_speculative_tokens)
+    mtp_share = mtp_cache_share(model, controller, num_speculative_tokens)
     inference_config = InferenceConfig(
         block_size_tokens=sizing.block_size_tokens,
         buffer_size_gb=sizing.buffer_size_gb * (1.0 - mtp_share),
         max_requests=sizing.max_requests,
         max_tokens=sizing.max_tokens,
         max_sequence_length=policy_cfg.max_total_sequence_length,
-        num_speculative_tokens=policy_cfg.generation.num_speculative_tokens,
+        num_speculative_tokens=num_speculative_tokens,
     )
     with cpu_runtime.device_scope():
         context = DynamicInferenceContext(model.config, inference_config)
         controller = controller(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
         engine = engine_bookkeeping.SpeculativeBookkeepingEngine(controller=controller, context=context)
-    InferenceMode.unset_active()
+    if not was_active:
+        InferenceMode.unset_active()
     log_kv_memory(engine)
     return engine
 
@@ -136,7 +182,7 @@ def log_kv_memory(engine) -> None:
         )
 
 
-def controller_class(model, generation_cfg: GenerationConfig) -> type:
+def controller_class(model, generation_cfg: GenerationConfig, num_speculative_tokens: int) -> type:
     """megatron's TextGenerationController, verifying drafts as ``spec_verification`` says and
     drafting as ``draft_context`` says where the installed engine's draft step cannot see a
     request's earlier positions: from the MTP depths' KV caches (:mod:`incremental_drafts`) or
@@ -148,7 +194,7 @@ def controller_class(model, generation_cfg: GenerationConfig) -> type:
     from nemo_rl_mtp.models.generation.spec_verification import RejectionSamplingController
 
     verifying = {"exact_match": TextGenerationController, "rejection_sampling": RejectionSamplingController}
-    if generation_cfg.num_speculative_tokens == 0:
+    if num_speculative_tokens == 0:
         return TextGenerationController
     verifier = verifying[generation_cfg.spec_verification]
     chosen = type(f"Counting{verifier.__name__}", (engine_bookkeeping.AcceptanceCounts, verifier), {})
@@ -187,19 +233,25 @@ class TokenIdsAsText:
 @contextlib.contextmanager
 def rollout_mode(model):
     """Eval mode, no autograd and megatron's InferenceMode flag for the duration of a rollout;
-    train mode and a cleared flag afterwards, whatever happens.
+    afterwards the mode and the flag the model had (train mode and a cleared flag, outside a
+    rollout), whatever happens. Nests: an engine built during a rollout (``auto`` switching k)
+    leaves the rollout's mode in place.
 
     No ``cpu_runtime.device_scope()``: once the engine is built, generation reaches no "cuda"
     literal (the local spec's default mask is built on the query's device), and the scope's torch
     function mode costs a Python call per torch op: it took half of a rollout's time on the CPU."""
     from megatron.core.inference.utils import InferenceMode
 
+    was_training, was_active = model.training, InferenceMode.is_active()
     model.eval()
+    InferenceMode.set_active()
     try:
-        with torch.no_grad(), InferenceMode.active():
+        with torch.no_grad():
             yield
     finally:
-        model.train()
+        if not was_active:
+            InferenceMode.unset_active()
+        model.train(was_training)
 
 
 @contextlib.contextmanager

@@ -46,9 +46,10 @@ def max_speculative_tokens(megatron_cfg) -> int | None:
 
 
 def check_speculation_supported(generation_cfg, megatron_cfg) -> None:
-    """Raise ValueError naming the key when the engine cannot speculate as configured."""
+    """Raise ValueError naming the key when the engine cannot speculate as configured (``auto``
+    chooses within what the model allows)."""
     k = generation_cfg.num_speculative_tokens
-    if k <= 0:
+    if k == "auto" or k <= 0:
         return
     limit = max_speculative_tokens(megatron_cfg)
     if limit is not None and k > limit:
@@ -72,11 +73,17 @@ def speculation_counts(engine) -> dict[str, torch.Tensor]:
 
 def speculation_metrics(counts: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per draft position i (1-indexed): proposed, accepted, acceptance rate in percent; and the
-    tokens a request gains per decode step (1 + accepted drafts). ``{}`` without speculation."""
+    tokens a request gains per decode step (1 + accepted drafts). With ``auto``: the drafts per
+    step it chose and the tokens/s it expected and the engine delivered. ``{}`` without
+    speculation."""
+    metrics = {}
+    if "speculative_tokens" in counts:
+        metrics["rollout/num_speculative_tokens"] = float(counts["speculative_tokens"])
+        metrics["rollout/expected_tokens_per_s"] = float(counts["expected_tokens_per_s"])
+        metrics["rollout/engine_tokens_per_s"] = float(counts["engine_tokens_per_s"])
     proposed, accepted = counts["draft_proposed"].double(), counts["draft_accepted"].double()
     if proposed.numel() == 0:
-        return {}
-    metrics = {}
+        return metrics
     for position, (num_proposed, num_accepted) in enumerate(zip(proposed.tolist(), accepted.tolist()), start=1):
         metrics[f"rollout/draft_{position}_proposed"] = num_proposed
         metrics[f"rollout/draft_{position}_accepted"] = num_accepted
