@@ -32,8 +32,9 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gen
     p: [N, k + 1, V] policy probabilities at the k draft positions and the bonus position;
     q: [N, k, V] the distributions the drafts were sampled from; drafts: [N, k].
     Returns [N, k + 1] tokens: the accepted drafts, then one token from max(0, p - q) at the first
-    rejection (from p at the bonus position when none is rejected); positions after that hold
-    samples from p, which the engine never reads (its check stops at the first mismatch)."""
+    rejection (from p at the bonus position when none is rejected); positions after that repeat
+    drafts, which the engine never reads (its check stops at the first mismatch: the residual
+    token never equals the rejected draft, whose p < q leaves it no residual mass)."""
     num_requests, k = drafts.shape
     rows = torch.arange(num_requests, device=p.device)
     p_of_draft = p[:, :k].gather(2, drafts[..., None]).squeeze(2)
@@ -43,8 +44,7 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gen
     first_rejection = (~rejected_so_far).sum(dim=1)  # k when every draft is accepted
     corrections = torch.cat([(p[:, :k] - q).clamp(min=0), p[:, k:]], dim=1)
     correction = torch.multinomial(corrections[rows, first_rejection], 1, generator=generator).view(-1)
-    tokens = torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).view(num_requests, k + 1)
-    tokens[:, :k] = torch.where(rejected_so_far, tokens[:, :k], drafts)
+    tokens = torch.cat([drafts, drafts[:, :1]], dim=1)
     tokens[rows, first_rejection] = correction
     return tokens
 
@@ -126,9 +126,11 @@ class _RejectionSampling:
         )
         p = self._backend.log_probs_kernel(logits, context, token_to_request_index=request_of_row).exp()
         generator = self._controller.sampling_rng
-        tokens = torch.multinomial(p, 1, generator=generator).view(-1)
+        parts = []
         if num_decode:
             drafts, q = self._controller.drafts_of_decode_requests(num_decode)
             p_decode = p[:decode_rows].view(num_decode, k + 1, -1)
-            tokens[:decode_rows] = rejection_sample(p_decode, q, drafts.to(p.device), generator).view(-1)
-        return tokens
+            parts.append(rejection_sample(p_decode, q, drafts.to(p.device), generator).view(-1))
+        if num_prefill:
+            parts.append(torch.multinomial(p[decode_rows:], 1, generator=generator).view(-1))
+        return torch.cat(parts)
