@@ -48,7 +48,7 @@ from nemo_rl_mtp.models.generation.draft_rounds import (
     sequence_parallel_multiple,
     with_drafter,
 )
-from nemo_rl_mtp.models.megatron.paged_attention import paged_attention
+from nemo_rl_mtp.models.megatron.paged_attention import paged_attention_over_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +132,12 @@ class CachedDepthAttention(torch.nn.Module):
         layout = self.layout
         rows, width = layout["slots"].shape
         count = rows * width
-        keys, values = self.cache[0], self.cache[1]
-        slots = layout["slots"].reshape(-1)
-        keys.view(-1, *keys.shape[2:])[slots] = key[:count, 0].to(keys.dtype)
-        values.view(-1, *values.shape[2:])[slots] = value[:count, 0].to(values.dtype)
+        pairs = self.cache.view(2, -1, *self.cache.shape[3:])
+        pairs[:, layout["slots"].reshape(-1)] = torch.stack([key[:count, 0], value[:count, 0]]).to(pairs.dtype)
         queries = query[:count, 0].reshape(rows, width, *query.shape[2:])
-        attended = paged_attention(queries, layout["query_lengths"], keys, values, layout["block_table"], layout["key_lengths"], self.softmax_scale)
+        attended = paged_attention_over_pairs(
+            queries, layout["query_lengths"], self.cache, layout["block_table"], layout["key_lengths"], self.softmax_scale
+        )
         output = attended.reshape(count, 1, -1)
         missing = query.shape[0] - count  # rows padded for sequence parallelism
         return torch.cat([output, output.new_zeros(missing, 1, output.shape[-1])]) if missing else output

@@ -41,6 +41,28 @@ def paged_attention(
     """
     block_table = block_table[:, : blocks_in_use(key_lengths, key_cache.shape[1])]
     keys, values = _gather_blocks(key_cache, block_table), _gather_blocks(value_cache, block_table)
+    return _attend(queries, query_lengths, keys, values, key_lengths, softmax_scale)
+
+
+def paged_attention_over_pairs(
+    queries: torch.Tensor,
+    query_lengths: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    key_lengths: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """:func:`paged_attention` over one buffer of keys and values ``[2, num_blocks, block_size,
+    h_kv, d]``, read with one gather."""
+    block_table = block_table[:, : blocks_in_use(key_lengths, kv_cache.shape[2])]
+    rows, width = block_table.shape
+    ids = block_table.reshape(-1).long() % kv_cache.shape[1]
+    pairs = kv_cache.index_select(1, ids).view(2, rows, width * kv_cache.shape[2], *kv_cache.shape[3:])
+    return _attend(queries, query_lengths, pairs[0], pairs[1], key_lengths, softmax_scale)
+
+
+def _attend(queries, query_lengths, keys, values, key_lengths, softmax_scale) -> torch.Tensor:
+    """Queries ``[b, sq, h, d]`` over gathered keys and values ``[b, sk, h_kv, d]``."""
     allowed = _causal_key_mask(query_lengths, key_lengths, queries.shape[1], keys.shape[1])
     attended = F.scaled_dot_product_attention(
         queries.float().transpose(1, 2), keys.float().transpose(1, 2), values.float().transpose(1, 2),

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemo_rl_mtp.models.megatron.paged_attention import flash_attn_varlen_func, flash_attn_with_kvcache
+from nemo_rl_mtp.models.megatron.paged_attention import flash_attn_varlen_func, flash_attn_with_kvcache, paged_attention_over_pairs
 
 BLOCK_SIZE, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 
@@ -92,3 +92,18 @@ def test_a_step_reads_only_the_blocks_that_hold_tokens():
     )
     for request in range(3):
         torch.testing.assert_close(out[request], _dense(queries[request], keys[request], values[request]), rtol=1e-5, atol=1e-5)
+
+
+def test_keys_and_values_in_one_buffer():
+    """The MTP caches' layout ``[2, blocks, ...]``: ragged queries (last of their keys) per request."""
+    generator = torch.Generator().manual_seed(3)
+    key_lengths, query_lengths = [6, 3, 11], [2, 1, 3]
+    key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
+    queries = torch.randn(3, 3, HEADS, DIM, generator=generator)
+    out = paged_attention_over_pairs(
+        queries, torch.tensor(query_lengths), torch.stack([key_cache, value_cache]), block_table, torch.tensor(key_lengths), DIM**-0.5
+    )
+    for request, count in enumerate(query_lengths):
+        expected = _dense(queries[request, :count], keys[request], values[request])
+        torch.testing.assert_close(out[request, :count], expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[request, count:], torch.zeros_like(out[request, count:]))
