@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from nemo_rl_mtp.models.generation import adaptive_speculation, engine_bookkeeping, incremental_drafts, sequence_drafts
+from nemo_rl_mtp.models.generation import adaptive_speculation, engine_bookkeeping, engine_compat, incremental_drafts, sequence_drafts
 from nemo_rl_mtp.models.generation.speculation import speculation_counts
 from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
@@ -153,6 +153,8 @@ def build_engine(model, policy_cfg: PolicyConfig, num_speculative_tokens: int):
         engine = engine_bookkeeping.SpeculativeBookkeepingEngine(controller=controller, context=context)
     if not was_active:
         InferenceMode.unset_active()
+    if num_speculative_tokens:
+        engine_compat.check_engine_names(engine)
     log_kv_memory(engine)
     return engine
 

@@ -1,6 +1,7 @@
 """The once-per-step speculative bookkeeping against megatron-core's own per-request bookkeeping:
 same rollouts, same log-probs, same acceptance counts; the rewind patch's probe on the installed
-release and where upstream changes."""
+release and where upstream changes; the probe of the engine's private names the speculation path
+relies on."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch, text_generation_controller
 
-from nemo_rl_mtp.models.generation import engine_bookkeeping
+from nemo_rl_mtp.models.generation import engine_bookkeeping, engine_compat
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.models.megatron import speculative_kernels
 from tests.helpers import make_policy
@@ -81,3 +82,29 @@ def test_the_rewind_patch_switches_itself_off_where_upstream_changed(monkeypatch
         assert not engine_bookkeeping.install_vectorised_rewind()
     assert "not installed" in caplog.text
     assert getattr(text_generation_controller, "rewind_kv_cache", None) is before
+
+
+def test_every_private_engine_name_the_speculation_path_needs_is_in_the_installed_release():
+    policy, cfg = make_policy(**engine_overrides(2, 2))
+    assert engine_compat.changed_names(RolloutEngine(policy, cfg).engine) == []
+
+
+@pytest.mark.parametrize(
+    "owner, name",
+    [(text_generation_controller.TextGenerationController, "_compute_serial_mtp_and_sample"), (DynamicInferenceEngine, "_spec_steps")],
+)
+def test_a_renamed_private_name_stops_the_engine_build_naming_it(monkeypatch, owner, name):
+    """An override megatron no longer calls would leave its own drafting in place, silently."""
+    policy, cfg = make_policy(**engine_overrides(1, 1))
+    if name == "_spec_steps":  # an instance attribute: hide it behind a class that drops it
+        original_reset = DynamicInferenceEngine.reset
+
+        def reset_without_counter(self):
+            original_reset(self)
+            del self._spec_steps
+
+        monkeypatch.setattr(DynamicInferenceEngine, "reset", reset_without_counter)
+    else:
+        monkeypatch.delattr(owner, name)
+    with pytest.raises(RuntimeError, match=name):
+        RolloutEngine(policy, cfg)
