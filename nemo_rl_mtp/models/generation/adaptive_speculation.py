@@ -6,16 +6,18 @@ being the rate at which draft i is accepted (with every draft before it: megatro
 count). It costs c_k seconds. The rollout's tokens per second at k are therefore about
 R (1 + sum_{i <= k} rho_i) / c_k, R being the requests a step serves on average, the same for
 every k; auto picks the k that maximises it, 0 included (vLLM's "goodput"; SGLang picks per batch
-size among candidates the same way).
+size among candidates the same way), but speculates only where that is expected to beat k = 0
+by ``MIN_GAIN``: a gain smaller than the error of the estimates is not worth the risk of a loss.
 
 - rho_i: the rate measured in the latest rollout that proposed draft i, as long as no training
   step came after it; else the trainer's forecast (the per-depth overlap of policy and head that
   training measures, ``mtp_{d}_expected_acceptance``; rho_i = prod_{d <= i} of them); else the
   latest measurement, however old; else the profile's.
 - c_k: per batch size (rounded to a power of two), first a profile before the first rollout of
-  that size: every candidate k runs the rollout's own prompts for a few decode steps. Each
-  rollout then measures its own k's step time; the k not run since are estimated from the
-  latest measured one through the profile's ratios.
+  that size: every candidate k runs the rollout's own prompts for a few decode steps, twice, in
+  opposite orders, and keeps its fastest step (load from elsewhere on the machine only ever adds
+  time). Each rollout then measures its own k's step time; the k not run since are estimated from
+  the latest measured one through the profile's ratios.
 
 The choice and the numbers behind it (expected tokens/s; afterwards the realised) are returned
 with the rollout and logged as ``rollout/num_speculative_tokens``, ``rollout/expected_tokens_per_s``
@@ -27,15 +29,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import statistics
 import time
 
 import torch
 
-# Decode steps each candidate k runs in a profile (after its prefill step).
-PROFILE_DECODE_STEPS = 3
+# Decode steps each candidate k runs in each of the profile's two passes (after its prefill step).
+PROFILE_DECODE_STEPS = 6
 # A measured acceptance needs at least this many proposals to be trusted.
 MIN_PROPOSALS = 8
+# Speculation is chosen only where it is expected to beat k = 0 by this factor.
+MIN_GAIN = 1.03
 
 
 @dataclasses.dataclass
@@ -123,6 +126,8 @@ class AdaptiveSpeculation:
         requests = self.requests_per_step.get(bucket, float(num_requests))
         expected = {k: requests * (1.0 + sum(rates[:k])) / costs[k] for k in self.candidates}
         best = max(self.candidates, key=lambda k: (expected[k], -k))
+        if expected[best] < MIN_GAIN * expected[0]:
+            best = 0
         return Choice(best, expected[best])
 
     def record_rollout(self, bucket: int, greedy: bool, k: int, seconds: float, steps: int, tokens: int, counts: dict) -> None:
@@ -172,20 +177,22 @@ def choose(rollout_engine, prompts: list[list[int]], params, greedy: bool) -> Ch
 
 
 def profile(rollout_engine, prompts: list[list[int]], params, bucket: int, greedy: bool) -> None:
-    """Every candidate k on the rollout's prompts for a few decode steps (the deepest first: its
-    counts are a first acceptance)."""
+    """Every candidate k on the rollout's prompts for a few decode steps, in two passes (k
+    descending, then ascending: the engine is rebuilt once per change), its fastest step kept. The
+    deepest candidate's counts are a first acceptance."""
     tuner = rollout_engine.adaptive
     seconds, counts = {}, None
-    for k in reversed(tuner.candidates):
+    for k in [*reversed(tuner.candidates), *tuner.candidates]:
         rollout_engine.use_speculative_tokens(k)
-        seconds[k], step_counts = decode_step_seconds(rollout_engine, prompts, params)
+        fastest, step_counts = decode_step_seconds(rollout_engine, prompts, params)
+        seconds[k] = min(seconds.get(k, fastest), fastest)
         counts = counts or step_counts
     tuner.record_profile(bucket, agreed_with_model_parallel_peers(seconds), greedy, counts)
 
 
 def decode_step_seconds(rollout_engine, prompts: list[list[int]], params) -> tuple[float, dict]:
-    """The median time of the first decode steps of ``prompts`` on the current engine (after
-    its prefill step), and the drafts it proposed and accepted; the engine is reset after."""
+    """The fastest of the first decode steps of ``prompts`` on the current engine (after its
+    prefill step), and the drafts it proposed and accepted; the engine is reset after."""
     from nemo_rl_mtp.models.generation.speculation import speculation_counts
 
     rollout_engine.start(prompts, seed=0)
@@ -200,7 +207,7 @@ def decode_step_seconds(rollout_engine, prompts: list[list[int]], params) -> tup
         times.append(time.perf_counter() - start)
     counts = speculation_counts(engine)
     engine.reset()
-    return (statistics.median(times) if times else float("inf")), counts
+    return (min(times) if times else float("inf")), counts
 
 
 def agreed_with_model_parallel_peers(value):

@@ -45,6 +45,14 @@ def test_chooses_no_speculation_when_drafts_are_rarely_accepted():
     assert tuner.choose(32, greedy=False, num_requests=32).num_speculative_tokens == 0
 
 
+def test_speculates_only_where_the_expected_gain_clears_the_margin():
+    """Accepted 40%: 1.4 tokens per 13.7 ms (102/s) is under 3% above 100/s; per 13 ms (108/s) it is over."""
+    tuner = _tuner({0: 0.010, 1: 0.0137}, _counts([100], [40]), max_k=1)
+    assert tuner.choose(32, greedy=False, num_requests=32).num_speculative_tokens == 0
+    tuner = _tuner({0: 0.010, 1: 0.013}, _counts([100], [40]), max_k=1)
+    assert tuner.choose(32, greedy=False, num_requests=32).num_speculative_tokens == 1
+
+
 def test_one_draft_when_the_second_is_not_worth_its_cost():
     """Accepted 90% / 20%: 1.9 / 13 ms = 146/s beats 2.1 / 16 ms = 131/s."""
     tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.016}, _counts([100, 100], [90, 20]))
