@@ -22,6 +22,10 @@ by ``MIN_GAIN``: a gain smaller than the error of the estimates is not worth the
 The choice and the numbers behind it (expected tokens/s; afterwards the realised) are returned
 with the rollout and logged as ``rollout/num_speculative_tokens``, ``rollout/expected_tokens_per_s``
 and ``rollout/engine_tokens_per_s``.
+
+Times are wall-clock on a GPU (where the device's work is what a step waits for) and the process's
+CPU time without one: on a CPU the engine's work is the process's own, and other jobs on a shared
+machine would otherwise add their load to whichever k happened to be measured while they ran.
 """
 
 from __future__ import annotations
@@ -190,6 +194,13 @@ def profile(rollout_engine, prompts: list[list[int]], params, bucket: int, greed
     tuner.record_profile(bucket, agreed_with_model_parallel_peers(seconds), greedy, counts)
 
 
+def step_clock():
+    """The clock step costs are measured with (module docstring)."""
+    from nemo_rl_mtp.models.megatron.cpu_runtime import cuda_available
+
+    return time.perf_counter if cuda_available() else time.process_time
+
+
 def decode_step_seconds(rollout_engine, prompts: list[list[int]], params) -> tuple[float, dict]:
     """The fastest of the first decode steps of ``prompts`` on the current engine (after its
     prefill step), and the drafts it proposed and accepted; the engine is reset after."""
@@ -200,11 +211,11 @@ def decode_step_seconds(rollout_engine, prompts: list[list[int]], params) -> tup
     for request_id, prompt in enumerate(prompts):
         engine.add_request(request_id, prompt, params)
     engine.step_modern()  # prefill
-    times = []
+    times, clock = [], step_clock()
     while engine.has_unfinished_requests() and len(times) < PROFILE_DECODE_STEPS:
-        start = time.perf_counter()
+        start = clock()
         engine.step_modern()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     counts = speculation_counts(engine)
     engine.reset()
     return (min(times) if times else float("inf")), counts
