@@ -177,7 +177,9 @@ class IncrementalDrafts:
         step_positions = context.token_to_pos_ids[:num_tokens].to(device)
         first_position = step_positions[starts]
         accepted = last_accepted.to(device) - starts + 1
+        # Both read the engine's host-side bookkeeping (megatron keeps it on the host): no device sync.
         widest_step = self.num_depths + 1 if context.is_decode_only() else int(context.request_query_lengths[active].max())
+        blocks_in_use = int(context.request_kv_block_counts[active].max())
         width = widest_step + 1  # + the carried position
         columns = torch.arange(width + self.num_depths, device=device)
         tape_index = (starts[:, None] + columns[None, :]).clamp(max=num_tokens - 1)
@@ -189,7 +191,7 @@ class IncrementalDrafts:
             "verified": first_position + accepted,
             "accepted": accepted,
             "width": width,
-            "block_table": context.request_to_kv_block_ids[active].to(device),
+            "block_table": context.request_to_kv_block_ids[active, :blocks_in_use].to(device),
             # The tokens from position first_position on: the step's, then the sampled token and drafts.
             "tape": context.token_to_input_ids[:num_tokens].to(device)[tape_index],
             "last_accepted": last_accepted.to(device),

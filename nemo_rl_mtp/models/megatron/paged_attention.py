@@ -53,8 +53,9 @@ def paged_attention_over_pairs(
     softmax_scale: float,
 ) -> torch.Tensor:
     """:func:`paged_attention` over one buffer of keys and values ``[2, num_blocks, block_size,
-    h_kv, d]``, read with one gather."""
-    block_table = block_table[:, : blocks_in_use(key_lengths, kv_cache.shape[2])]
+    h_kv, d]``, read with one gather, of every column of ``block_table``: the caller passes the
+    columns in use (it knows them from the engine's host-side bookkeeping: no read of a device
+    value here, so this runs on a GPU too)."""
     rows, width = block_table.shape
     ids = block_table.reshape(-1).long() % kv_cache.shape[1]
     pairs = kv_cache.index_select(1, ids).view(2, rows, width * kv_cache.shape[2], *kv_cache.shape[3:])
