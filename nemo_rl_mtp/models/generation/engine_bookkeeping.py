@@ -36,15 +36,21 @@ logger = logging.getLogger(__name__)
 
 class AcceptanceCounts:
     """Mixin for megatron's ``TextGenerationController``: drafts proposed and accepted per
-    position ``[k]`` since :meth:`reset_acceptance_counts`, counted once per step."""
+    position ``[k]`` since :meth:`reset_acceptance_counts`, counted once per step on the device
+    of the accepted counts (read on the host only with :meth:`acceptance_counts`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.reset_acceptance_counts()
 
     def reset_acceptance_counts(self) -> None:
-        self.drafts_proposed = torch.zeros(self.num_speculative_tokens, dtype=torch.int64)
-        self.drafts_accepted = torch.zeros(self.num_speculative_tokens, dtype=torch.int64)
+        device = self._accepted_token_counts_per_request.device
+        self.drafts_proposed = torch.zeros(self.num_speculative_tokens, dtype=torch.int64, device=device)
+        self.drafts_accepted = torch.zeros(self.num_speculative_tokens, dtype=torch.int64, device=device)
+
+    def acceptance_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of (proposed, accepted) per draft position."""
+        return self.drafts_proposed.cpu(), self.drafts_accepted.cpu()
 
     def _dynamic_step_sample_logits_and_verify_tokens(self, *args, **kwargs) -> None:
         super()._dynamic_step_sample_logits_and_verify_tokens(*args, **kwargs)
@@ -54,7 +60,7 @@ class AcceptanceCounts:
         accepted = self._accepted_token_counts_per_request[:num_decode]
         positions = torch.arange(self.num_speculative_tokens, device=accepted.device)
         self.drafts_proposed += num_decode
-        self.drafts_accepted += (accepted[:, None] > positions[None, :]).sum(dim=0).to(self.drafts_accepted.device)
+        self.drafts_accepted += (accepted[:, None] > positions[None, :]).sum(dim=0)
 
 
 class _TokenRows:

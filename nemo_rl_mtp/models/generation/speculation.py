@@ -66,9 +66,10 @@ def speculation_counts(engine) -> dict[str, torch.Tensor]:
     rule: a decode request proposes at every position; draft i counts as accepted when the drafts
     before it were). ``[0]`` without speculation."""
     controller = engine.controller
-    if not hasattr(controller, "drafts_proposed"):
+    if not hasattr(controller, "acceptance_counts"):
         return {"draft_proposed": torch.zeros(0, dtype=torch.int64), "draft_accepted": torch.zeros(0, dtype=torch.int64)}
-    return {"draft_proposed": controller.drafts_proposed.clone(), "draft_accepted": controller.drafts_accepted.clone()}
+    proposed, accepted = controller.acceptance_counts()
+    return {"draft_proposed": proposed.clone(), "draft_accepted": accepted.clone()}
 
 
 def speculation_metrics(counts: dict[str, torch.Tensor]) -> dict[str, float]:
