@@ -16,8 +16,8 @@ Prints markdown: tokens/s against k = 0 per cell; where a decode step's time goe
 drafts, verification, bookkeeping; attention over the KV caches shown apart); k = 0's tokens/s
 with the same responses under growing budgets; the drafts' cost per step against the response
 length; the MTP caches' memory. Every variant runs ``--repeats`` times, interleaved, and reports
-its median; auto first runs one rollout untimed (its profile of step costs, done once per batch
-size in a training run). ``--clock cpu`` times with the process's CPU time instead of the wall
+its median; auto first runs mtp_layers + 1 rollouts untimed (its profile of step costs and its
+measurement of close candidates, done once per batch size in a training run). ``--clock cpu`` times with the process's CPU time instead of the wall
 clock (the breakdown too; both clocks' ratios are printed): on a machine shared with other jobs
 their load lands on whichever variant runs while they do, and the CPU time leaves it out.
 """
@@ -226,7 +226,8 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
     variants = [Variant(f"k={k}", RolloutEngine(policy, config(args, k, new_tokens, batch))) for k in range(args.mtp_layers + 1)]
     variants.append(Variant("auto", RolloutEngine(policy, config(args, "auto", new_tokens, batch))))
     prompts, _ = counting_task(batch, 1, torch.Generator().manual_seed(batch))
-    variants[-1].run(prompts, seed=1000, phases_of=phases_of, timed=False)
+    for warm_up in range(args.mtp_layers + 1):
+        variants[-1].run(prompts, seed=1000 + warm_up, phases_of=phases_of, timed=False)
     for repeat in range(args.repeats):
         for variant in variants:
             variant.run(prompts, seed=repeat, phases_of=phases_of)

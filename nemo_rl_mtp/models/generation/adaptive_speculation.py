@@ -16,8 +16,13 @@ by ``MIN_GAIN``: a gain smaller than the error of the estimates is not worth the
 - c_k: per batch size (rounded to a power of two), first a profile before the first rollout of
   that size: every candidate k runs the rollout's own prompts for a few decode steps, twice, in
   opposite orders, and keeps its fastest step (load from elsewhere on the machine only ever adds
-  time). Each rollout then measures its own k's step time; the k not run since are estimated from
-  the latest measured one through the profile's ratios.
+  time). Each rollout then measures its own k's step time (prefill included: per step of the
+  rollout, that is what its tokens/s divides by). A k measured in one of the last
+  ``MEASUREMENT_LIFETIME`` rollouts of this batch size is estimated by that measurement; the
+  others from the latest measurement through the profile's ratios. The profile's short
+  sequences understate what attention over long ones costs, and how much fewer steps save there,
+  so a candidate expected within ``EXPLORE_WITHIN`` of the best, and not measured lately, is run
+  once to measure it.
 
 The choice and the numbers behind it (expected tokens/s; afterwards the realised) are returned
 with the rollout and logged as ``rollout/num_speculative_tokens``, ``rollout/expected_tokens_per_s``
@@ -43,6 +48,10 @@ PROFILE_DECODE_STEPS = 6
 MIN_PROPOSALS = 8
 # Speculation is chosen only where it is expected to beat k = 0 by this factor.
 MIN_GAIN = 1.03
+# A candidate not measured lately and expected within this factor of the best is run to measure it.
+EXPLORE_WITHIN = 1.10
+# Rollouts of a batch size after which a step-time measurement is no longer used as such.
+MEASUREMENT_LIFETIME = 10
 
 
 @dataclasses.dataclass
@@ -78,7 +87,10 @@ class AdaptiveSpeculation:
         self.measured_since_training: dict[bool, set[int]] = {False: set(), True: set()}
         self.forecast: list[float] | None = None
         self.profiled: dict[int, dict[int, float]] = {}
-        self.step_seconds: dict[int, tuple[int, float]] = {}  # bucket -> (k, seconds) of the latest rollout
+        # bucket -> k -> (seconds per step, rollout number) of its latest rollout at k
+        self.step_seconds: dict[int, dict[int, tuple[float, int]]] = {}
+        self.rollouts: dict[int, int] = {}  # bucket -> rollouts measured
+        self.latest: dict[int, int] = {}  # bucket -> k of the latest rollout
         self.requests_per_step: dict[int, float] = {}
 
     @property
@@ -115,14 +127,21 @@ class AdaptiveSpeculation:
                 rates.append(measured.get(position, 0.0))
         return rates
 
+    def recent_measurements(self, bucket: int) -> dict[int, float]:
+        """Seconds per step of the k measured in the last ``MEASUREMENT_LIFETIME`` rollouts."""
+        oldest = self.rollouts.get(bucket, 0) - MEASUREMENT_LIFETIME
+        return {k: seconds for k, (seconds, number) in self.step_seconds.get(bucket, {}).items() if number > oldest}
+
     def seconds_per_step(self, bucket: int) -> dict[int, float]:
-        """c_k for every candidate: the profile, scaled to the latest measured rollout."""
+        """c_k for every candidate: its recent measurement, else the profile scaled to the latest
+        measured rollout."""
         profile = self.profiled[bucket]
-        if bucket not in self.step_seconds:
+        if bucket not in self.latest:
             return dict(profile)
-        measured_k, measured_seconds = self.step_seconds[bucket]
-        scale = measured_seconds / profile[measured_k]
-        return {k: seconds * scale for k, seconds in profile.items()}
+        latest_k = self.latest[bucket]
+        scale = self.step_seconds[bucket][latest_k][0] / profile[latest_k]
+        measured = self.recent_measurements(bucket)
+        return {k: measured.get(k, seconds * scale) for k, seconds in profile.items()}
 
     def choose(self, bucket: int, greedy: bool, num_requests: int) -> Choice:
         rates = self.acceptance(greedy)
@@ -132,11 +151,18 @@ class AdaptiveSpeculation:
         best = max(self.candidates, key=lambda k: (expected[k], -k))
         if expected[best] < MIN_GAIN * expected[0]:
             best = 0
+        if bucket in self.latest:  # after the first rollout: measure a close runner-up once
+            measured = self.recent_measurements(bucket)
+            close = [k for k in self.candidates if k not in measured and expected[k] * EXPLORE_WITHIN >= expected[best]]
+            if close:
+                best = max(close, key=lambda k: expected[k])
         return Choice(best, expected[best])
 
     def record_rollout(self, bucket: int, greedy: bool, k: int, seconds: float, steps: int, tokens: int, counts: dict) -> None:
         """A finished rollout at k: its step time, its requests per step, its acceptance."""
-        self.step_seconds[bucket] = (k, seconds / max(steps, 1))
+        self.rollouts[bucket] = self.rollouts.get(bucket, 0) + 1
+        self.step_seconds.setdefault(bucket, {})[k] = (seconds / max(steps, 1), self.rollouts[bucket])
+        self.latest[bucket] = k
         rates = acceptance_rates(counts["draft_proposed"], counts["draft_accepted"])
         self.measured[greedy].update(rates)
         self.measured_since_training[greedy] |= set(rates)

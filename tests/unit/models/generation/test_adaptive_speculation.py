@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nemo_rl_mtp.models.generation import adaptive_speculation
 from nemo_rl_mtp.models.generation.adaptive_speculation import AdaptiveSpeculation, batch_bucket, forecast_from_metrics
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.utils.config import ConfigError
@@ -92,6 +93,32 @@ def test_step_costs_follow_the_latest_rollout_in_the_profiles_proportions():
     assert tuner.requests_per_step[32] == pytest.approx(32.0)
     choice = tuner.choose(32, False, 99)
     assert choice.num_speculative_tokens == 1 and choice.expected_tokens_per_s == pytest.approx(32 * 2.0 / 0.026)
+
+
+def test_a_close_runner_up_is_measured_once_then_the_measurements_decide():
+    """Profile: 10 / 13 / 15.5 ms, accepted 90% / 20% (k = 1 at 146/s, k = 2 at 135/s: within
+    10%). After a rollout at k = 1, k = 2 is run once; measured at 12 ms (long sequences, where
+    fewer steps save attention) it wins (175/s) and stays; k = 0 (100/s, not close) is never run."""
+    tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.0155}, _counts([100, 100], [90, 20]))
+    assert tuner.choose(32, False, 1).num_speculative_tokens == 1
+    tuner.record_rollout(32, False, 1, seconds=1.3, steps=100, tokens=190, counts=_counts([100], [90]))
+    assert tuner.choose(32, False, 1).num_speculative_tokens == 2
+    tuner.record_rollout(32, False, 2, seconds=1.2, steps=100, tokens=210, counts=_counts([100, 100], [90, 20]))
+    assert tuner.seconds_per_step(32) == pytest.approx({0: 0.010 * 0.012 / 0.0155, 1: 0.013, 2: 0.012})
+    for _ in range(3):
+        choice = tuner.choose(32, False, 1)
+        assert choice.num_speculative_tokens == 2
+        tuner.record_rollout(32, False, 2, seconds=1.2, steps=100, tokens=210, counts=_counts([100, 100], [90, 20]))
+
+
+def test_step_time_measurements_expire():
+    """After MEASUREMENT_LIFETIME rollouts of a batch size at other k, a k's own measurement
+    gives way to the profile scaled to the latest one."""
+    tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.016}, _counts([100, 100], [90, 20]))
+    tuner.record_rollout(32, False, 1, seconds=2.6, steps=100, tokens=190, counts=_counts([100], [90]))  # 26 ms
+    for _ in range(adaptive_speculation.MEASUREMENT_LIFETIME):
+        tuner.record_rollout(32, False, 2, seconds=1.6, steps=100, tokens=270, counts=_counts([100, 100], [90, 20]))
+    assert tuner.seconds_per_step(32)[1] == pytest.approx(0.013)
 
 
 def test_auto_is_a_config_value_and_other_words_are_not():
