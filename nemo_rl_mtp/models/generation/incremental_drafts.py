@@ -45,6 +45,7 @@ from nemo_rl_mtp.models.generation.draft_rounds import (
     DraftRoundsController,
     mtp_layer,
     output_logits,
+    pad_rows,
     sequence_parallel_multiple,
     with_drafter,
 )
@@ -169,6 +170,8 @@ class IncrementalDrafts:
     def start_round(self, context, last_accepted: torch.Tensor, hidden: torch.Tensor) -> None:
         """Lay out the round from the step: per active request, where its step's tokens start,
         how many were verified, and where each depth's range begins."""
+        if self.carries is None:
+            raise RuntimeError("incremental MTP drafts: reset(num_request_ids) before a rollout (RolloutEngine.generate does)")
         device = hidden.device
         active = slice(context.paused_request_count, context.total_request_count)
         num_tokens = hidden.shape[0]
@@ -221,7 +224,7 @@ class IncrementalDrafts:
             "block_table": state["block_table"],
         }
         output = self._run_layer(depth, hidden, tokens, positions, layout)
-        self._keep_outputs(depth, start, positions, output)
+        state["previous_start"], state["previous_output"] = start, output  # the next depth's inputs
         last = output[rows, verified - start - 1].unsqueeze(1)
         return last, output_logits(self.model, last)
 
@@ -251,10 +254,6 @@ class IncrementalDrafts:
         column = (state["verified"] - 1 - depth - state["previous_start"]).clamp(0, state["previous_output"].shape[1] - 1)
         return state["previous_output"][torch.arange(column.numel(), device=column.device), column]
 
-    def _keep_outputs(self, depth: int, start: torch.Tensor, positions: torch.Tensor, output: torch.Tensor) -> None:
-        self._round["previous_start"] = start
-        self._round["previous_output"] = output
-
     def _run_layer(self, depth: int, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, layout: dict) -> torch.Tensor:
         """megatron's MTP layer for ``depth`` over the packed positions [R, W] (hidden [R, W, H]);
         returns its output [R, W, H]."""
@@ -264,9 +263,9 @@ class IncrementalDrafts:
         rows, width, hidden_size = hidden.shape
         count = rows * width
         padded = -(-count // sequence_parallel_multiple(model)) * sequence_parallel_multiple(model)
-        packed = _pad_to(hidden.reshape(count, 1, hidden_size), padded)
-        flat_positions = _pad_to(positions.reshape(count), padded)
-        token_ids = _pad_to(tokens.reshape(count), padded)[None, :]
+        packed = pad_rows(hidden.reshape(count, 1, hidden_size), padded)
+        flat_positions = pad_rows(positions.reshape(count), padded)
+        token_ids = pad_rows(tokens.reshape(count), padded)[None, :]
         rotary = self.rotary[flat_positions.clamp(max=self.rotary.shape[0] - 1)] if self.rotary is not None else None
         embedding_positions = (flat_positions + depth + 1).clamp(max=model.max_sequence_length - 1)[None, :]
         if model.config.sequence_parallel:
@@ -284,11 +283,6 @@ class IncrementalDrafts:
         if model.config.sequence_parallel:
             output = gather_from_sequence_parallel_region(output)
         return output[:count, 0].reshape(rows, width, hidden_size)
-
-
-def _pad_to(values: torch.Tensor, length: int) -> torch.Tensor:
-    missing = length - values.shape[0]
-    return torch.cat([values, values.new_zeros(missing, *values.shape[1:])]) if missing else values
 
 
 @contextlib.contextmanager
