@@ -182,6 +182,7 @@ class Variant:
         self.name, self.rollout_engine = name, rollout_engine
         self.times = {name: [] for name in CLOCKS}
         self.phases, self.output, self.instrumented = StepPhases(), None, None
+        self.chosen = []  # auto: the k of each timed run
 
     def run(self, prompts, seed: int, phases_of: dict, timed: bool = True, responses_end: bool = False) -> None:
         if self.instrumented is not self.rollout_engine.engine:  # auto rebuilds its engine
@@ -199,6 +200,8 @@ class Variant:
         if timed:
             for name, seconds in elapsed.items():
                 self.times[name].append(seconds)
+            if "speculative_tokens" in self.output:
+                self.chosen.append(int(self.output["speculative_tokens"]))
         else:  # untimed runs leave no trace in the phases
             self.phases.steps, self.phases.seconds = steps_before, seconds_before
 
@@ -235,7 +238,7 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
     result = {"heads": heads, "new_tokens": new_tokens, "batch": batch, "variants": variants, "memory": memory}
     print(f"  {heads} heads, {new_tokens} new tokens, {batch} prompts: "
           + ", ".join(f"{v.name} {v.rate:.0f} tok/s" for v in variants)
-          + f", auto chose k={int(variants[-1].output['speculative_tokens'])}", flush=True)
+          + f", auto ran k={'/'.join(map(str, variants[-1].chosen))}", flush=True)
     return result
 
 
@@ -243,7 +246,7 @@ def throughput_table(cells: list[dict], args) -> str:
     names = [f"k={k}" for k in range(1, args.mtp_layers + 1)]
     other = "cpu" if CLOCK_NAME[0] == "wall" else "wall"
     header = ["heads", "new tokens", "prompts", "response tokens (mean)", "k=0 tokens/s", *[f"{name} vs k=0" for name in names],
-              "auto vs k=0 (k chosen)", "auto vs best fixed k", f"{other} clock: {', '.join(names)}, auto vs k=0",
+              "auto vs k=0 (k of its runs)", "auto vs best fixed k", f"{other} clock: {', '.join(names)}, auto vs k=0",
               "acceptance, draft 1 / 2 (k=2)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in cells:
@@ -256,7 +259,7 @@ def throughput_table(cells: list[dict], args) -> str:
         lines.append(
             f"| {cell['heads']} | {cell['new_tokens']} | {cell['batch']} | {mean_length:.0f} | {base:.0f} | "
             + " | ".join(f"{variants[name].rate / base:.2f}x" for name in names)
-            + f" | {auto.rate / base:.2f}x (k={int(auto.output['speculative_tokens'])}) | {auto.rate / best_fixed:.2f} | "
+            + f" | {auto.rate / base:.2f}x (k={'/'.join(map(str, auto.chosen))}) | {auto.rate / best_fixed:.2f} | "
             + ", ".join(f"{variants[name].rate_by(other) / variants['k=0'].rate_by(other):.2f}x" for name in [*names, "auto"])
             + " | "
             + " / ".join(f"{rate:.0f}%" for rate in deepest.acceptance())
