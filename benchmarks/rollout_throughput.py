@@ -1,19 +1,32 @@
-"""Rollout throughput on the tiny CPU model, all measured side by side in one run:
-the full-recompute sampler (the rollouts before the engine) vs megatron-core's inference engine
-without speculation and with k = 1 .. mtp_num_layers draft tokens from the MTP heads, first with
-untrained heads, then after a short imitation of a deterministic task (count on from the prompt's
-digit), which trains policy and heads alike. Sampling at temperature 1, as in RL.
+"""Rollout throughput of megatron-core's inference engine with speculation by the policy's own MTP
+heads (k = 1 .. mtp_num_layers drafts per step, and ``auto``) against k = 0, measured side by side
+in one process: a sweep over response budgets and batch sizes, first with untrained heads (a
+random policy), then after a short imitation of a deterministic task (count on from the prompt's
+digit), which trains policy and heads alike. In the sweep the end-of-sequence token is masked, so
+every response fills its budget: each variant generates the same number of tokens (sampled
+responses differ with k, and a random end would make the workloads differ). Sampling at
+temperature 1, as in RL; rejection sampling; drafts from the MTP depths' KV caches (the defaults).
+Before the sweep, k = 0 with the random policy and its end-of-sequence token: the same responses
+under every budget.
 
-    uv run python benchmarks/rollout_throughput.py [--prompts 32] [--new-tokens 32] [--mtp-layers 2]
+    uv run python benchmarks/rollout_throughput.py [--new-tokens 128 512 2048] [--batches 8 32 128]
+        [--repeats 3] [--figure benchmarks/rollout_throughput.png] [key=value overrides]
 
-Prints tokens/s with ratios to the sampler and to the engine without speculation, tokens a request
-gains per decode step, engine steps (forward passes, prefill included) per token of the longest
-response, and acceptance per draft position.
+Prints markdown: tokens/s against k = 0 per cell; where a decode step's time goes (trunk forward,
+drafts, verification, bookkeeping; attention over the KV caches shown apart); k = 0's tokens/s
+with the same responses under growing budgets; the drafts' cost per step against the response
+length; the MTP caches' memory. Every variant runs ``--repeats`` times, interleaved, and reports
+its median; auto first runs mtp_layers + 1 rollouts untimed (its profile of step costs and its
+measurement of close candidates, done once per batch size in a training run). ``--clock cpu`` times with the process's CPU time instead of the wall
+clock (the breakdown too; both clocks' ratios are printed): on a machine shared with other jobs
+their load lands on whichever variant runs while they do, and the CPU time leaves it out.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import statistics
 import sys
 import time
@@ -27,30 +40,56 @@ sys.path.insert(0, str(REPO_ROOT))
 from nemo_rl_mtp.algorithms.imitation import imitation_step  # noqa: E402
 from nemo_rl_mtp.data.demonstrations import demonstration_batch  # noqa: E402
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer  # noqa: E402
-from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine  # noqa: E402
+from nemo_rl_mtp.models.generation import incremental_drafts  # noqa: E402
+from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine, kv_memory  # noqa: E402
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics  # noqa: E402
+from nemo_rl_mtp.models.megatron import paged_attention  # noqa: E402
 from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy  # noqa: E402
 from nemo_rl_mtp.utils.config import load_config  # noqa: E402
-from tests.helpers import free_port, recompute_sampler  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 TOKENIZER = DigitTokenizer()
+PROMPT_TOKENS = 3  # <bos> d =
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCK_NAME = ["wall"]  # the clock the tables use: main() sets it from --clock
 
 
-def counting_task(num_prompts: int, new_tokens: int, generator: torch.Generator) -> tuple[list, list]:
-    """Prompts ``<bos> d =`` and answers counting on from d for ``new_tokens - 1`` digits, then eos."""
+def clock() -> float:
+    return CLOCKS[CLOCK_NAME[0]]()
+# Where a decode step's time goes: controller/engine methods timed per step, by phase.
+PHASES = {
+    "trunk": ("controller", ("_dynamic_step_forward_logits",)),
+    "drafts": ("controller", ("_compute_serial_mtp_and_sample",)),
+    "verification": (
+        "controller",
+        ("_dynamic_step_sample_logits_and_verify_tokens", "_rewind_kv_cache", "_dynamic_step_sample_logits",
+         "_dynamic_step_calculate_log_probs", "_dynamic_step_calculate_log_probs_speculative"),
+    ),
+    "bookkeeping": ("controller", ("_dynamic_step_context_init", "_dynamic_step_context_bookkeeping")),
+    "engine bookkeeping": ("engine", ("async_bookkeep",)),
+}
+
+
+def counting_task(num_prompts: int, length: int, generator: torch.Generator) -> tuple[list, list]:
+    """Prompts ``<bos> d =`` and answers counting on from d for ``length`` digits, with no end."""
     starts = torch.randint(0, 10, (num_prompts,), generator=generator).tolist()
     prompts = [TOKENIZER.encode_prompt([start]) for start in starts]
-    answers = [TOKENIZER.encode_answer([(start + step) % 10 for step in range(1, new_tokens)]) for start in starts]
+    answers = [[TOKENIZER.first_digit_id + (start + step) % 10 for step in range(1, length + 1)] for start in starts]
     return prompts, answers
 
 
-def config(args, num_speculative_tokens: int):
+def config(args, k, new_tokens: int, batch: int):
+    """The policy config of one cell: room in the engine for the whole batch at full length."""
+    bytes_per_token = 2 * (2 + args.mtp_layers) * 64 * 4  # K and V of the decoder and MTP layers (tiny model)
+    buffer_gb = 1.5 * batch * (new_tokens + PROMPT_TOKENS + 4) * bytes_per_token / 1024**3
     return load_config(
         overrides=[
             f"policy.megatron_cfg.mtp_num_layers={args.mtp_layers}",
-            f"policy.generation.num_speculative_tokens={num_speculative_tokens}",
-            f"policy.generation.max_new_tokens={args.new_tokens}",
-            f"policy.max_total_sequence_length={args.new_tokens + 6}",  # fits the exemplar task prompts too
+            f"policy.generation.num_speculative_tokens={k}",
+            f"policy.generation.max_new_tokens={new_tokens}",
+            f"policy.max_total_sequence_length={new_tokens + PROMPT_TOKENS + 3}",
+            f"policy.generation.engine.buffer_size_gb={max(buffer_gb, 0.01):.4f}",
+            f"policy.generation.engine.max_requests={batch}",
             f"policy.train_global_batch_size={args.train_batch}",
             f"policy.train_micro_batch_size={args.train_batch}",
             f"grpo.num_prompts_per_step={args.train_batch}",
@@ -61,80 +100,314 @@ def config(args, num_speculative_tokens: int):
     ).policy
 
 
-def measure(variants: dict, prompts: list[list[int]], repeats: int) -> dict[str, dict]:
-    """Each variant ``repeats`` times, interleaved; the median time, with the last run's output."""
-    times = {name: [] for name in variants}
-    outputs = {}
-    for repeat in range(repeats):
-        for name, run in variants.items():
-            start = time.perf_counter()
-            outputs[name] = run(prompts, repeat)
-            times[name].append(time.perf_counter() - start)
-    return {name: {"seconds": statistics.median(times[name]), "output": outputs[name]} for name in variants}
+class StepPhases:
+    """Wall time per phase of the engine's steps (``PHASES``), and of its attention calls over
+    the trunk's and the MTP caches' blocks, by wrapping them on one engine."""
+
+    def __init__(self):
+        self.seconds = collections.Counter()
+        self.steps = 0
+
+    def timed(self, function, phase: str):
+        def wrapper(*args, **kwargs):
+            start = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[phase] += clock() - start
+
+        async def async_wrapper(*args, **kwargs):
+            start = clock()
+            try:
+                return await function(*args, **kwargs)
+            finally:
+                self.seconds[phase] += clock() - start
+
+        import inspect
+
+        return async_wrapper if inspect.iscoroutinefunction(function) else wrapper
+
+    def instrument(self, engine) -> None:
+        owners = {"controller": engine.controller, "engine": engine}
+        for phase, (owner, names) in PHASES.items():
+            for name in names:
+                setattr(owners[owner], name, self.timed(getattr(owners[owner], name), phase))
+        step = engine.step_modern
+
+        def counted_step():
+            self.steps += 1
+            return step()
+
+        engine.step_modern = self.timed(counted_step, "step")
 
 
-def report(title: str, results: dict[str, dict]) -> None:
-    sampler_rate = engine_rate = None
-    print(f"\n{title}")
-    print(f"{'rollouts':<24}{'tokens/s':>10}{'vs sampler':>12}{'vs k=0':>8}{'tok/step':>10}{'steps/token':>13}  acceptance by draft position")
-    for name, result in results.items():
-        output = result["output"]
-        generated = int((output["lengths"] - output["prompt_lengths"]).sum())
-        rate = generated / result["seconds"]
-        sampler_rate = sampler_rate or rate
-        if name.startswith("engine") and engine_rate is None:
-            engine_rate = rate
-        speculation = speculation_metrics(output) if "draft_proposed" in output else {}
-        acceptance = [value for key, value in speculation.items() if key.endswith("acceptance_rate")]
-        per_step = speculation.get("rollout/tokens_per_decode_step", 1.0)
-        longest = int((output["lengths"] - output["prompt_lengths"]).max())
-        steps_per_token = f"{float(output['decode_steps']) / longest:.2f}" if "decode_steps" in output else "-"
-        versus_engine = f"{rate / engine_rate:.2f}" if engine_rate else "-"
-        shown = " ".join(f"{value:.0f}%" for value in acceptance) or "-"
-        print(f"{name:<24}{rate:>10.0f}{rate / sampler_rate:>12.2f}{versus_engine:>8}{per_step:>10.2f}{steps_per_token:>13}  {shown}")
+def attention_timers(phases_of: dict):
+    """Time the CPU paged attention of the trunk (``paged_attention.paged_attention``) and of the
+    MTP caches (the same function as the drafts bind it), for whichever ``phases_of['current']``."""
+    trunk, drafts = paged_attention.paged_attention, incremental_drafts.paged_attention_over_pairs
+
+    def timing(function, phase):
+        def wrapper(*args, **kwargs):
+            start = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if phases_of.get("current") is not None:
+                    phases_of["current"].seconds[phase] += clock() - start
+
+        return wrapper
+
+    paged_attention.paged_attention = timing(trunk, "trunk attention")
+    incremental_drafts.paged_attention_over_pairs = timing(drafts, "draft attention")
+
+
+@contextlib.contextmanager
+def end_of_sequence_masked(policy):
+    """The output layer never proposes the end-of-sequence token (policy and MTP heads alike)."""
+    def masked(module, inputs, output):
+        logits, bias = output
+        return logits.index_fill(-1, torch.tensor([TOKENIZER.eos_id], device=logits.device), float("-inf")), bias
+
+    handle = policy.model.module.output_layer.register_forward_hook(masked)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class Variant:
+    """One engine configuration of a cell, run repeatedly, with its step phases."""
+
+    def __init__(self, name: str, rollout_engine: RolloutEngine):
+        self.name, self.rollout_engine = name, rollout_engine
+        self.times = {name: [] for name in CLOCKS}
+        self.phases, self.output, self.instrumented = StepPhases(), None, None
+        self.chosen = []  # auto: the k of each timed run
+
+    def run(self, prompts, seed: int, phases_of: dict, timed: bool = True, responses_end: bool = False) -> None:
+        if self.instrumented is not self.rollout_engine.engine:  # auto rebuilds its engine
+            self.phases.instrument(self.rollout_engine.engine)
+            self.instrumented = self.rollout_engine.engine
+        phases_of["current"] = self.phases if timed else None
+        steps_before = self.phases.steps
+        seconds_before = collections.Counter(self.phases.seconds)
+        policy = self.rollout_engine.policy
+        with contextlib.nullcontext() if responses_end else end_of_sequence_masked(policy):
+            start = {name: read() for name, read in CLOCKS.items()}
+            self.output = self.rollout_engine.generate(prompts, TOKENIZER.eos_id, TOKENIZER.pad_id, seed)
+            elapsed = {name: read() - start[name] for name, read in CLOCKS.items()}
+        phases_of["current"] = None
+        if timed:
+            for name, seconds in elapsed.items():
+                self.times[name].append(seconds)
+            if "speculative_tokens" in self.output:
+                self.chosen.append(int(self.output["speculative_tokens"]))
+        else:  # untimed runs leave no trace in the phases
+            self.phases.steps, self.phases.seconds = steps_before, seconds_before
+
+    @property
+    def tokens(self) -> int:
+        return int((self.output["lengths"] - self.output["prompt_lengths"]).sum())
+
+    @property
+    def rate(self) -> float:
+        return self.rate_by(CLOCK_NAME[0])
+
+    def rate_by(self, clock_name: str) -> float:
+        return self.tokens / statistics.median(self.times[clock_name])
+
+    def acceptance(self) -> list[float]:
+        proposed, accepted = self.output["draft_proposed"], self.output["draft_accepted"]
+        return [100.0 * float(a) / max(float(p), 1.0) for p, a in zip(proposed, accepted)]
+
+    def per_step_ms(self) -> dict[str, float]:
+        steps = max(self.phases.steps, 1)
+        return {phase: 1000.0 * seconds / steps for phase, seconds in self.phases.seconds.items()}
+
+
+def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: dict) -> dict:
+    variants = [Variant(f"k={k}", RolloutEngine(policy, config(args, k, new_tokens, batch))) for k in range(args.mtp_layers + 1)]
+    variants.append(Variant("auto", RolloutEngine(policy, config(args, "auto", new_tokens, batch))))
+    prompts, _ = counting_task(batch, 1, torch.Generator().manual_seed(batch))
+    for warm_up in range(args.mtp_layers + 1):
+        variants[-1].run(prompts, seed=1000 + warm_up, phases_of=phases_of, timed=False)
+    for repeat in range(args.repeats):
+        for variant in variants:
+            variant.run(prompts, seed=repeat, phases_of=phases_of)
+    memory = kv_memory(variants[args.mtp_layers].rollout_engine.engine)
+    result = {"heads": heads, "new_tokens": new_tokens, "batch": batch, "variants": variants, "memory": memory}
+    print(f"  {heads} heads, {new_tokens} new tokens, {batch} prompts: "
+          + ", ".join(f"{v.name} {v.rate:.0f} tok/s" for v in variants)
+          + f", auto ran k={'/'.join(map(str, variants[-1].chosen))}", flush=True)
+    return result
+
+
+def throughput_table(cells: list[dict], args) -> str:
+    names = [f"k={k}" for k in range(1, args.mtp_layers + 1)]
+    other = "cpu" if CLOCK_NAME[0] == "wall" else "wall"
+    header = ["heads", "new tokens", "prompts", "response tokens (mean)", "k=0 tokens/s", *[f"{name} vs k=0" for name in names],
+              "auto vs k=0 (k of its runs)", "auto vs best fixed k", f"{other} clock: {', '.join(names)}, auto vs k=0",
+              "acceptance, draft 1 / 2 (k=2)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell in cells:
+        variants = {variant.name: variant for variant in cell["variants"]}
+        base = variants["k=0"].rate
+        auto = variants["auto"]
+        best_fixed = max(variants[name].rate for name in ["k=0", *names])
+        deepest = variants[names[-1]]
+        mean_length = deepest.tokens / cell["batch"]
+        lines.append(
+            f"| {cell['heads']} | {cell['new_tokens']} | {cell['batch']} | {mean_length:.0f} | {base:.0f} | "
+            + " | ".join(f"{variants[name].rate / base:.2f}x" for name in names)
+            + f" | {auto.rate / base:.2f}x (k={'/'.join(map(str, auto.chosen))}) | {auto.rate / best_fixed:.2f} | "
+            + ", ".join(f"{variants[name].rate_by(other) / variants['k=0'].rate_by(other):.2f}x" for name in [*names, "auto"])
+            + " | "
+            + " / ".join(f"{rate:.0f}%" for rate in deepest.acceptance())
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+BREAKDOWN_COLUMNS = ["trunk", "trunk attention", "drafts", "draft attention", "verification", "bookkeeping", "engine bookkeeping"]
+
+
+def breakdown_table(cells: list[dict], args) -> str:
+    """ms per engine step (prefill included) by phase; "other" is the rest of the step."""
+    header = ["heads", "new tokens", "prompts", "k", "tokens per request-step", *BREAKDOWN_COLUMNS, "other", "step"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cell in cells:
+        for variant in cell["variants"][: args.mtp_layers + 1]:
+            ms = variant.per_step_ms()
+            phases = sum(ms.get(name, 0.0) for name in ("trunk", "drafts", "verification", "bookkeeping", "engine bookkeeping"))
+            per_step = speculation_metrics(variant.output).get("rollout/tokens_per_decode_step", 1.0)
+            lines.append(
+                f"| {cell['heads']} | {cell['new_tokens']} | {cell['batch']} | {variant.name[2:]} | {per_step:.2f} | "
+                + " | ".join(f"{ms.get(name, 0.0):.2f}" for name in BREAKDOWN_COLUMNS)
+                + f" | {ms['step'] - phases:.2f} | {ms['step']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def same_responses(policy, args, phases_of: dict) -> str:
+    """k = 0 under growing budgets with the random policy and its end-of-sequence token: the same
+    responses (checked) whatever the budget; their tokens/s, against the smallest budget. The
+    responses are short (the end is one of 14 tokens), so the largest batch and at least 9 runs."""
+    batch = max(args.batches)
+    variants = [Variant(f"{new_tokens}", RolloutEngine(policy, config(args, 0, new_tokens, batch))) for new_tokens in args.new_tokens]
+    prompts, _ = counting_task(batch, 1, torch.Generator().manual_seed(batch))
+    for repeat in range(max(args.repeats, 9)):
+        for variant in variants:
+            variant.run(prompts, seed=repeat, phases_of=phases_of, responses_end=True)
+    same = all(torch.equal(variants[0].output["tokens"], variant.output["tokens"]) for variant in variants[1:])
+    mean_length = variants[0].tokens / batch
+    header = "| prompts | response tokens (mean) | " + " | ".join(f"{v.name} new tokens" for v in variants) + " | same responses |"
+    row = f"| {batch} | {mean_length:.0f} | " + " | ".join(f"{v.rate:.0f} ({v.rate / variants[0].rate:.2f})" for v in variants)
+    return "\n".join([header, "|" + "---|" * (len(variants) + 3), row + f" | {'yes' if same else 'no'} |"])
+
+
+def draft_cost_table(cells: list[dict], args) -> str:
+    """Trained heads, k = mtp_layers: the drafts' ms per step, and the part that is attention over
+    the MTP caches, per budget (responses fill it), against the shortest."""
+    name = f"k={args.mtp_layers}"
+    lines = ["| prompts | new tokens | drafts ms/step | vs shortest | drafts less cache attention | vs shortest |", "|---|---|---|---|---|---|"]
+    for batch in sorted({cell["batch"] for cell in cells}):
+        row = [cell for cell in cells if cell["batch"] == batch]
+        first = None
+        for cell in row:
+            ms = next(v for v in cell["variants"] if v.name == name).per_step_ms()
+            drafts, rest = ms.get("drafts", 0.0), ms.get("drafts", 0.0) - ms.get("draft attention", 0.0)
+            first = first or (drafts, rest)
+            lines.append(f"| {batch} | {cell['new_tokens']} | {drafts:.2f} | {drafts / first[0]:.2f}x | {rest:.2f} | {rest / first[1]:.2f}x |")
+    return "\n".join(lines)
+
+
+def memory_table(cells: list[dict], args) -> str:
+    lines = ["| new tokens | prompts | buffer (MiB) | decoder KV (MiB) | MTP caches (MiB) |", "|---|---|---|---|---|"]
+    for cell in cells:
+        trunk, mtp = cell["memory"]["trunk"] / 2**20, cell["memory"]["mtp"] / 2**20
+        lines.append(f"| {cell['new_tokens']} | {cell['batch']} | {trunk + mtp:.1f} | {trunk:.1f} | {mtp:.1f} |")
+    return "\n".join(lines)
+
+
+def figure(cells: list[dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"k={k}" for k in range(1, args.mtp_layers + 1)] + ["auto"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    for axis, heads in zip(axes, ("untrained", "trained")):
+        chosen = [cell for cell in cells if cell["heads"] == heads]
+        labels = [f"{cell['new_tokens']}\n{cell['batch']}p" for cell in chosen]
+        width = 0.8 / len(names)
+        for index, name in enumerate(names):
+            ratios = []
+            for cell in chosen:
+                variants = {variant.name: variant for variant in cell["variants"]}
+                ratios.append(variants[name].rate / variants["k=0"].rate)
+            axis.bar([i + (index - (len(names) - 1) / 2) * width for i in range(len(chosen))], ratios, width, label=name)
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks(range(len(chosen)), labels, fontsize=8)
+        axis.set_title(f"{heads} heads")
+        axis.set_xlabel("max new tokens / prompts")
+    axes[0].set_ylabel("tokens/s vs k=0")
+    axes[1].legend()
+    fig.suptitle("Rollout throughput with MTP speculation (CPU, tiny model, temperature 1)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--mtp-layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train-steps", type=int, default=60)
+    parser.add_argument("--train-length", type=int, default=128, help="answer digits of the imitation task")
     parser.add_argument("--train-batch", type=int, default=64)
+    parser.add_argument("--figure", type=Path, default=REPO_ROOT / "benchmarks" / "rollout_throughput.png")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="what the tables time with")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
+    CLOCK_NAME[0] = args.clock
 
-    base = config(args, 0)
+    base = config(args, 0, max(args.new_tokens + [args.train_length]), args.train_batch)
     initialize_model_parallel(base.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{free_port()}")
     torch.manual_seed(base.megatron_cfg.seed)
     policy = setup_megatron_policy(base, TOKENIZER.vocab_size)
-    engines = {k: RolloutEngine(policy, config(args, k)) for k in range(args.mtp_layers + 1)}
-    variants = {"full-recompute sampler": lambda prompts, seed: _recompute_rollouts(policy, prompts, args.new_tokens, seed)}
-    for k, engine in engines.items():
-        variants[f"engine k={k}"] = lambda prompts, seed, engine=engine: engine.generate(
-            prompts, TOKENIZER.eos_id, TOKENIZER.pad_id, seed
-        )
-    generator = torch.Generator().manual_seed(0)
-    prompts, _ = counting_task(args.prompts, args.new_tokens, generator)
-    print(f"{args.prompts} prompts x up to {args.new_tokens} new tokens, {args.mtp_layers} MTP layers, temperature 1, "
-          f"{torch.get_num_threads()} torch thread(s); median of {args.repeats} interleaved runs")
-    report("untrained heads", measure(variants, prompts, args.repeats))
+    phases_of = {}
+    attention_timers(phases_of)
+    print(f"{torch.get_num_threads()} torch thread(s); median of {args.repeats} interleaved runs per variant; {args.clock} clock", flush=True)
 
-    for _ in range(args.train_steps):
-        demonstrations = demonstration_batch(*counting_task(args.train_batch, args.new_tokens, generator), TOKENIZER.pad_id)
-        metrics = imitation_step(policy, demonstrations, base)
-    training = ", ".join(f"layer {i}: {metrics[f'mtp_{i}_acceptance_rate']:.0f}%" for i in range(1, args.mtp_layers + 1))
-    report(f"after {args.train_steps} imitation steps (training-side MTP acceptance {training})",
-           measure(variants, prompts, args.repeats))
+    budgets = same_responses(policy, args, phases_of)
+    cells = []
+    for heads in ("untrained", "trained"):
+        if heads == "trained":
+            generator = torch.Generator().manual_seed(0)
+            for _ in range(args.train_steps):
+                demonstrations = demonstration_batch(*counting_task(args.train_batch, args.train_length, generator), TOKENIZER.pad_id)
+                metrics = imitation_step(policy, demonstrations, base)
+            shown = ", ".join(f"{metrics[f'mtp_{i}_acceptance_rate']:.0f}%" for i in range(1, args.mtp_layers + 1))
+            print(f"after {args.train_steps} imitation steps: training-side MTP acceptance {shown}", flush=True)
+        for new_tokens in args.new_tokens:
+            for batch in args.batches:
+                cells.append(run_cell(policy, args, heads, new_tokens, batch, phases_of))
 
-
-def _recompute_rollouts(policy, prompts, new_tokens, seed) -> dict[str, torch.Tensor]:
-    sequences = recompute_sampler(policy, prompts, new_tokens, TOKENIZER.eos_id, temperature=1.0, seed=seed)
-    return {
-        "lengths": torch.tensor([len(sequence) for sequence in sequences]),
-        "prompt_lengths": torch.tensor([len(prompt) for prompt in prompts]),
-    }
+    trained = [cell for cell in cells if cell["heads"] == "trained"]
+    print("\n## Tokens/s against k = 0\n")
+    print(throughput_table(cells, args))
+    print("\n## Where a step goes (ms per engine step)\n")
+    print(breakdown_table(cells, args))
+    print("\n## k = 0 with the same responses under growing budgets (random policy; tokens/s, vs the smallest budget)\n")
+    print(budgets)
+    print(f"\n## Drafts' cost per step against the response length (trained heads, k = {args.mtp_layers})\n")
+    print(draft_cost_table(trained, args))
+    print(f"\n## KV memory of the engine at k = {args.mtp_layers} (MTP caches inside the buffer)\n")
+    print(memory_table(trained, args))
+    figure(cells, args, args.figure)
+    print(f"\nfigure: {args.figure}")
 
 
 if __name__ == "__main__":

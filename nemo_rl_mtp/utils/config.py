@@ -33,7 +33,7 @@ _CHOICES = {
     "policy.megatron_cfg.moe_token_dispatcher_type": {"allgather", "alltoall"},
     "policy.generation.spec_verification": {"exact_match", "rejection_sampling"},
     "policy.mtp_loss_mask_policy": {"all_responses", "positive_advantage"},
-    "policy.generation.draft_context": {"sequence", "single_position"},
+    "policy.generation.draft_context": {"incremental", "sequence", "single_position"},
     "env.name": {"digits", "math"},
     "env.task": {"reverse", "sort", "count_up"},
     "data.overlong_prompts": {"skip", "truncate"},
@@ -92,7 +92,6 @@ _RANGES = {
     "policy.generation.top_p": (0.0, False, 1.0, True),
     "policy.generation.top_k": (0, True, None, False),
     "policy.generation.max_new_tokens": (1, True, None, False),
-    "policy.generation.num_speculative_tokens": (0, True, None, False),
     "policy.generation.engine.block_size_tokens": (1, True, None, False),
     "policy.generation.engine.buffer_size_gb": (0.0, False, None, False),
     # null: megatron sizes them.
@@ -386,6 +385,12 @@ def _validate_mtp_depth(mtp_num_layers: int, longest_sequence: int) -> None:
 
 def _validate_speculation(generation, megatron) -> None:
     k = generation.num_speculative_tokens
+    _require(
+        k == "auto" or (isinstance(k, int) and k >= 0),
+        "policy.generation.num_speculative_tokens",
+        k,
+        "must be an integer >= 0 or auto",
+    )
     _require(
         k == 0 or megatron.mtp_num_layers > 0,
         "policy.generation.num_speculative_tokens",

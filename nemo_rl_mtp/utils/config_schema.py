@@ -8,7 +8,7 @@ forgets is an error at load time, not a silent default.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass
@@ -76,7 +76,7 @@ class GenerationConfig:
     top_p: float
     top_k: int
     max_new_tokens: int
-    num_speculative_tokens: int
+    num_speculative_tokens: Union[int, str]  # or "auto"
     spec_verification: str
     draft_context: str
     engine: InferenceEngineConfig

@@ -30,6 +30,8 @@ SMALL = [
     "logger.wandb_enabled=false",
     "checkpointing.save_period=2",
     "policy.generation.top_k=1",
+    # The recipe's auto chooses k from measured step times; decode steps and draft counts follow k.
+    "policy.generation.num_speculative_tokens=1",
 ]
 STEPS = 4
 # Wall-clock dependent: not expected to agree between runs.

@@ -33,13 +33,16 @@ def runs(tmp_path_factory):
     """Run each configuration once; tests inspect the results."""
     log_dir = tmp_path_factory.mktemp("logs")
     quiet = ["logger.wandb_enabled=false", "logger.tensorboard_enabled=false"]
-    greedy = ["policy.generation.top_k=1", *quiet]
+    # The recipe's auto chooses the drafts per step from measured step times, and sampled rollouts
+    # depend on k (its draws): runs compared with each other pin k.
+    one_draft = ["policy.generation.num_speculative_tokens=1"]
+    greedy = ["policy.generation.top_k=1", *one_draft, *quiet]
     configs = {
-        # The default recipe: one MTP layer, speculating one draft token.
-        "mtp1": [],
+        # The default recipe (one MTP layer), speculating one draft token.
+        "mtp1": one_draft,
         "mtp2": ["policy.megatron_cfg.mtp_num_layers=2", "policy.generation.num_speculative_tokens=2", "logger.wandb_enabled=false"],
         "mtp_off": ["policy.megatron_cfg.mtp_num_layers=0", "policy.generation.num_speculative_tokens=0", *quiet],
-        "mtp1_tp2": ["cluster.workers_per_node=2", "policy.megatron_cfg.tensor_model_parallel_size=2", *quiet],
+        "mtp1_tp2": ["cluster.workers_per_node=2", "policy.megatron_cfg.tensor_model_parallel_size=2", *one_draft, *quiet],
         "mtp2_pp2": [
             "cluster.workers_per_node=2",
             "policy.megatron_cfg.pipeline_model_parallel_size=2",
@@ -51,7 +54,8 @@ def runs(tmp_path_factory):
         # data-parallel layouts are compared on greedy rollouts.
         "greedy": greedy,
         "greedy_dp2": ["cluster.workers_per_node=2", *greedy],
-        # Two optimizer steps per GRPO step (global batch of 16 out of 32 samples).
+        # Two optimizer steps per GRPO step (global batch of 16 out of 32 samples); the recipe's
+        # num_speculative_tokens: auto.
         "two_optimizer_steps": ["policy.train_global_batch_size=16", *quiet],
         # The tiny MoE recipe (MoE trunk and MTP layer), on one worker and on two data-parallel ones.
         "moe_greedy": ["--config", str(MOE_RECIPE), *greedy],
@@ -132,6 +136,16 @@ def test_two_optimizer_steps_per_grpo_step_train_the_second_half_off_policy(runs
         assert row["train/optimizer_steps"] == 2
         assert abs(row["train/probs_ratio"] - 1.0) > 1e-5
         assert row["train/mtp/mtp_1_loss"] > 0 and row["train/mtp/grad_norm"] > 0
+
+
+def test_auto_logs_its_choice_and_the_tokens_per_second_behind_it(runs):
+    """The recipe's num_speculative_tokens: auto, on one MTP layer: k in {0, 1} every step, drafts
+    counted exactly when it speculates."""
+    for row in read_metrics(runs["two_optimizer_steps"] / "metrics.jsonl"):
+        k = row["rollout/num_speculative_tokens"]
+        assert k in (0.0, 1.0)
+        assert row["rollout/expected_tokens_per_s"] > 0 and row["rollout/engine_tokens_per_s"] > 0
+        assert ("rollout/draft_1_proposed" in row) == (k == 1.0)
 
 
 def test_moe_recipe_trains_the_mtp_head_and_logs_the_router_loss(runs):

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from nemo_rl_mtp.models.generation import sequence_drafts
+from nemo_rl_mtp.models.generation import adaptive_speculation, engine_bookkeeping, engine_compat, incremental_drafts, sequence_drafts
 from nemo_rl_mtp.models.generation.speculation import speculation_counts
 from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
@@ -33,12 +33,28 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutEngine:
-    """megatron-core's DynamicInferenceEngine over one policy worker's live model."""
+    """megatron-core's DynamicInferenceEngine over one policy worker's live model. With
+    ``num_speculative_tokens: auto`` the drafts per step are chosen before each rollout
+    (:mod:`adaptive_speculation`) and the engine rebuilt when they change (one engine at a time:
+    its memory stays within the budget)."""
 
     def __init__(self, policy: MegatronPolicyModel, policy_cfg: PolicyConfig):
         self.policy = policy
+        self.policy_cfg = policy_cfg
         self.generation_cfg = policy_cfg.generation
-        self.engine = build_engine(policy.model.module, policy_cfg)
+        requested = self.generation_cfg.num_speculative_tokens
+        self.adaptive = None
+        if requested == adaptive_speculation.AUTO:
+            self.adaptive = adaptive_speculation.AdaptiveSpeculation(adaptive_speculation.auto_limit(policy_cfg.megatron_cfg))
+        self.num_speculative_tokens = 0 if self.adaptive is not None else requested
+        self.engine = build_engine(policy.model.module, policy_cfg, self.num_speculative_tokens)
+
+    def use_speculative_tokens(self, k: int) -> None:
+        """Rebuild the engine for ``k`` drafts per step if it has another number."""
+        if k != self.num_speculative_tokens:
+            self.engine = None  # the old engine's memory goes before the new one's comes
+            self.engine = build_engine(self.policy.model.module, self.policy_cfg, k)
+            self.num_speculative_tokens = k
 
     def generate(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int, greedy: bool = False) -> dict[str, torch.Tensor]:
         """Sample a response to each prompt (token ids); with ``greedy``, the most likely one.
@@ -46,18 +62,49 @@ class RolloutEngine:
         Returns host tensors: ``tokens`` [B, S] (prompt + response, right-padded with ``pad_id``),
         ``lengths`` [B], ``prompt_lengths`` [B], ``logprobs`` [B, S] (token-aligned: each response
         token's log-prob under the sampling temperature, 0 elsewhere), ``decode_steps`` [] (engine
-        forward passes) and the speculation counts ``draft_proposed``/``draft_accepted`` [k].
+        forward passes) and the speculation counts ``draft_proposed``/``draft_accepted`` [k]; with
+        ``auto``, also ``speculative_tokens`` [] (the k chosen), ``expected_tokens_per_s`` and
+        ``engine_tokens_per_s`` [] (what the choice expected, what the engine delivered; per second
+        of the clock auto measures with, ``adaptive_speculation.step_clock``).
         """
-        self.engine.reset()
-        self.engine.controller.sampling_rng.manual_seed(seed)
-        with rollout_mode(self.policy.model), policy_sampling_distribution(
-            self.policy.model.module, self.generation_cfg.temperature, self.policy.vocab_size
-        ):
-            responses, decode_steps = run_to_completion(self.engine, prompts, self.sampling_params(eos_id, greedy))
+        params = self.sampling_params(eos_id, greedy)
+        clock = adaptive_speculation.step_clock()
+        with self.sampling_session():
+            choice = adaptive_speculation.choose(self, prompts, params, greedy) if self.adaptive is not None else None
+            start = clock()
+            responses, decode_steps = self.run(prompts, params, seed)
+            seconds = clock() - start
         rollouts = right_padded_rollouts(prompts, responses, eos_id, pad_id)
         rollouts["decode_steps"] = torch.tensor(decode_steps)
         rollouts.update(speculation_counts(self.engine))
+        if choice is not None:
+            rollouts.update(adaptive_speculation.record(self.adaptive, choice, rollouts, greedy, seconds))
         return rollouts
+
+    def run(self, prompts: list[list[int]], params, seed: int) -> tuple[list, int]:
+        """The engine, reset and reseeded, on ``prompts`` to completion (inside a sampling session)."""
+        self.start(prompts, seed)
+        return run_to_completion(self.engine, prompts, params)
+
+    def start(self, prompts: list[list[int]], seed: int) -> None:
+        self.engine.reset()
+        self.engine.controller.sampling_rng.manual_seed(seed)
+        drafter = getattr(self.engine.controller, "drafter", None)
+        if hasattr(drafter, "reset"):
+            drafter.reset(len(prompts))
+
+    @contextlib.contextmanager
+    def sampling_session(self):
+        """Rollout mode and the policy's sampling distribution on the output layer."""
+        with rollout_mode(self.policy.model), policy_sampling_distribution(
+            self.policy.model.module, self.generation_cfg.temperature, self.policy.vocab_size
+        ):
+            yield
+
+    def observe_training_metrics(self, metrics: dict[str, float]) -> None:
+        """After a training step: its acceptance forecast for ``auto``."""
+        if self.adaptive is not None:
+            self.adaptive.observe_forecast(adaptive_speculation.forecast_from_metrics(metrics))
 
     def sampling_params(self, eos_id: int, greedy: bool = False):
         """megatron's SamplingParams for our generation config. Temperature is applied to the
@@ -77,38 +124,72 @@ class RolloutEngine:
         )
 
 
-def build_engine(model, policy_cfg: PolicyConfig):
-    """Context (paged KV cache), wrapper, controller and engine around ``model``, as megatron's
-    own ``MegatronLLM`` assembles them. The engine constructor sets the process-wide
-    ``InferenceMode`` flag; it is cleared here so training forwards stay training forwards."""
+def build_engine(model, policy_cfg: PolicyConfig, num_speculative_tokens: int):
+    """Context (paged KV cache), wrapper, controller and engine around ``model`` with
+    ``num_speculative_tokens`` drafts per step, as megatron's own ``MegatronLLM`` assembles them.
+    The engine constructor sets the process-wide ``InferenceMode`` flag; it is put back as it was
+    (cleared, outside a rollout) so training forwards stay training forwards."""
     from megatron.core.inference.config import InferenceConfig
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.inference.utils import InferenceMode
 
+    was_active = InferenceMode.is_active()
     cpu_inference_runtime.install()
+    engine_bookkeeping.install_vectorised_rewind()
     sizing = policy_cfg.generation.engine
+    controller = controller_class(model, policy_cfg.generation, num_speculative_tokens)
+    mtp_share = mtp_cache_share(model, controller, num_speculative_tokens)
     inference_config = InferenceConfig(
         block_size_tokens=sizing.block_size_tokens,
-        buffer_size_gb=sizing.buffer_size_gb,
+        buffer_size_gb=sizing.buffer_size_gb * (1.0 - mtp_share),
         max_requests=sizing.max_requests,
         max_tokens=sizing.max_tokens,
         max_sequence_length=policy_cfg.max_total_sequence_length,
-        num_speculative_tokens=policy_cfg.generation.num_speculative_tokens,
+        num_speculative_tokens=num_speculative_tokens,
     )
     with cpu_runtime.device_scope():
         context = DynamicInferenceContext(model.config, inference_config)
-        controller = controller_class(model, policy_cfg.generation)(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
-        engine = DynamicInferenceEngine(controller=controller, context=context)
-    InferenceMode.unset_active()
+        controller = controller(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
+        engine = engine_bookkeeping.SpeculativeBookkeepingEngine(controller=controller, context=context)
+    if not was_active:
+        InferenceMode.unset_active()
+    if num_speculative_tokens:
+        engine_compat.check_engine_names(engine)
+    log_kv_memory(engine)
     return engine
 
 
-def controller_class(model, generation_cfg: GenerationConfig) -> type:
+def mtp_cache_share(model, controller: type, num_speculative_tokens: int) -> float:
+    """The share of the engine's memory budget that incremental drafts keep for the MTP caches."""
+    if not issubclass(controller, incremental_drafts.IncrementalDraftsController):
+        return 0.0
+    return incremental_drafts.mtp_cache_share(model, incremental_drafts.mtp_cache_depths(model, num_speculative_tokens))
+
+
+def kv_memory(engine) -> dict[str, int]:
+    """Bytes of the engine's KV cache (``trunk``) and of the MTP depths' caches (``mtp``)."""
+    context = engine.context
+    drafter = getattr(engine.controller, "drafter", None)
+    mtp = drafter.cache.nbytes if isinstance(drafter, incremental_drafts.IncrementalDrafts) else 0
+    return {"trunk": context.block_size_bytes * context.kv_block_allocator.total_count, "mtp": mtp}
+
+
+def log_kv_memory(engine) -> None:
+    memory = kv_memory(engine)
+    if memory["mtp"]:
+        logger.info(
+            "KV cache: %.1f MiB for the decoder, %.1f MiB for the MTP depths' caches (%d blocks of %d tokens)",
+            memory["trunk"] / 2**20, memory["mtp"] / 2**20, engine.context.kv_block_allocator.total_count,
+            engine.context.block_size_tokens,
+        )
+
+
+def controller_class(model, generation_cfg: GenerationConfig, num_speculative_tokens: int) -> type:
     """megatron's TextGenerationController, verifying drafts as ``spec_verification`` says and
-    drafting from each request's sequence where ``draft_context`` asks for it and the installed
-    engine's draft step cannot see a request's earlier positions (:mod:`sequence_drafts`)."""
+    drafting as ``draft_context`` says where the installed engine's draft step cannot see a
+    request's earlier positions: from the MTP depths' KV caches (:mod:`incremental_drafts`) or
+    from each request's sequence (:mod:`sequence_drafts`)."""
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
     )
@@ -116,22 +197,32 @@ def controller_class(model, generation_cfg: GenerationConfig) -> type:
     from nemo_rl_mtp.models.generation.spec_verification import RejectionSamplingController
 
     verifying = {"exact_match": TextGenerationController, "rejection_sampling": RejectionSamplingController}
-    chosen = verifying[generation_cfg.spec_verification]
-    if generation_cfg.num_speculative_tokens == 0 or generation_cfg.draft_context != "sequence":
+    if num_speculative_tokens == 0:
+        return TextGenerationController
+    verifier = verifying[generation_cfg.spec_verification]
+    chosen = type(f"Counting{verifier.__name__}", (engine_bookkeeping.AcceptanceCounts, verifier), {})
+    if generation_cfg.draft_context == "single_position":
         return chosen
     if sequence_drafts.upstream_drafts_have_context(model):
         logger.info("MTP drafts: the installed engine's draft step reads a request's context; using it as is")
         return chosen
+    drafting = sequence_drafts.with_sequence_drafts
+    if generation_cfg.draft_context == "incremental":
+        reason = incremental_drafts.unsupported_reason(model)
+        if reason is None:
+            drafting = incremental_drafts.with_incremental_drafts
+        else:
+            logger.warning("MTP drafts: no incremental drafts for %s; drafting from each request's sequence", reason)
     if getattr(model, "mtp", None) is None:  # a pipeline stage before the MTP layers: nothing to probe
-        return sequence_drafts.with_sequence_drafts(chosen)
+        return drafting(chosen)
     with rollout_mode(model):
         leak = sequence_drafts.serial_step_leak(model)
     logger.info(
         "MTP drafts: megatron-core's serial draft step sees one position per request (a draft's logits moved by %.1e "
-        "when another request's input changed); drafting from each request's sequence instead",
-        leak,
+        "when another request's input changed); drafting with each request's context instead (%s)",
+        leak, generation_cfg.draft_context,
     )
-    return sequence_drafts.with_sequence_drafts(chosen)
+    return drafting(chosen)
 
 
 class TokenIdsAsText:
@@ -145,19 +236,25 @@ class TokenIdsAsText:
 @contextlib.contextmanager
 def rollout_mode(model):
     """Eval mode, no autograd and megatron's InferenceMode flag for the duration of a rollout;
-    train mode and a cleared flag afterwards, whatever happens.
+    afterwards the mode and the flag the model had (train mode and a cleared flag, outside a
+    rollout), whatever happens. Nests: an engine built during a rollout (``auto`` switching k)
+    leaves the rollout's mode in place.
 
     No ``cpu_runtime.device_scope()``: once the engine is built, generation reaches no "cuda"
     literal (the local spec's default mask is built on the query's device), and the scope's torch
     function mode costs a Python call per torch op: it took half of a rollout's time on the CPU."""
     from megatron.core.inference.utils import InferenceMode
 
+    was_training, was_active = model.training, InferenceMode.is_active()
     model.eval()
+    InferenceMode.set_active()
     try:
-        with torch.no_grad(), InferenceMode.active():
+        with torch.no_grad():
             yield
     finally:
-        model.train()
+        if not was_active:
+            InferenceMode.unset_active()
+        model.train(was_training)
 
 
 @contextlib.contextmanager

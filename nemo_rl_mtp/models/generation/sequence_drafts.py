@@ -23,13 +23,13 @@ attention layer without rotary embedding only); ``single_position`` keeps megatr
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import logging
 
 import torch
 
+from nemo_rl_mtp.models.generation.draft_rounds import mtp_layer, output_logits, sequence_parallel_multiple, with_drafter
 from nemo_rl_mtp.models.megatron.data import causal_attention_mask, round_up
 
 logger = logging.getLogger(__name__)
@@ -39,10 +39,18 @@ class SequenceDrafts:
     """Each request's verified tokens ``[n]`` and main-decoder hidden states ``[n, H]``
     (positions 0..n-1), and drafts computed from them."""
 
-    def __init__(self, model):
+    def __init__(self, model, context=None, num_depths: int = 0):
         self.model = model
         self.histories: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._round: dict[str, torch.Tensor] | None = None
+
+    def start_round(self, context, last_accepted: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Record the step's verified tokens, then lay out the histories of the requests about to draft."""
+        self.record_verified_step(context, last_accepted, hidden)
+        self.begin_round(context.request_ids[context.paused_request_count : context.total_request_count].tolist())
+
+    def end_round(self) -> None:
+        self._round = None
 
     def record_verified_step(self, context, last_accepted: torch.Tensor, hidden: torch.Tensor) -> None:
         """Extend each active request's history with this step's tokens up to its last accepted
@@ -77,7 +85,7 @@ class SequenceDrafts:
         [L, R, H] and tokens [R, L], right-padded to the longest sequence L."""
         histories = [self.histories[request_id] for request_id in request_ids]
         lengths = torch.tensor([tokens.numel() for tokens, _ in histories])
-        longest = round_up(int(lengths.max()), _sequence_parallel_multiple(self.model))
+        longest = round_up(int(lengths.max()), sequence_parallel_multiple(self.model))
         hidden = histories[0][1].new_zeros(longest, len(histories), histories[0][1].shape[-1])
         tokens = torch.zeros(len(histories), longest, dtype=torch.long, device=hidden.device)
         for row, (row_tokens, row_hidden) in enumerate(histories):
@@ -104,7 +112,7 @@ class SequenceDrafts:
         hidden = self._mtp_layer_over_sequences(state["hidden"], tokens, positions, depth)
         state.update(hidden=hidden, tokens=tokens, positions=positions)
         last_hidden = hidden[state["last"], rows].unsqueeze(1)
-        return last_hidden, _output_logits(self.model, last_hidden)
+        return last_hidden, output_logits(self.model, last_hidden)
 
     def _mtp_layer_over_sequences(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, depth: int) -> torch.Tensor:
         """megatron's MTP layer for ``depth`` over the padded sequences, as in training: causal
@@ -112,7 +120,7 @@ class SequenceDrafts:
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 
         model, length = self.model, hidden.shape[0]
-        layer = model.mtp.layers[0 if model.mtp.mtp_use_repeated_layer else depth]
+        layer = mtp_layer(model, depth)
         rotary = model.rotary_pos_emb(length) if model.position_embedding_type == "rope" else None
         sequence_parallel = model.config.sequence_parallel
         if sequence_parallel:
@@ -126,42 +134,6 @@ class SequenceDrafts:
             rotary_pos_emb=rotary,
         )
         return gather_from_sequence_parallel_region(output) if sequence_parallel else output
-
-    @contextlib.contextmanager
-    def serving_draft_steps(self, model):
-        """Route the engine's ``compute_mtp_single_step`` calls of one draft round to
-        :meth:`draft_step`, counting depths (a repeated layer is called without one)."""
-        depths = itertools.count()
-
-        def compute_mtp_single_step(hidden_states, next_token_ids, position_ids, depth=None, **unused):
-            last_hidden, logits = self.draft_step(next_token_ids, next(depths) if depth is None else depth)
-            return _pad_rows(last_hidden, hidden_states.shape[0]), _pad_rows(logits, next_token_ids.shape[1])
-
-        model.compute_mtp_single_step = compute_mtp_single_step
-        try:
-            yield
-        finally:
-            del model.compute_mtp_single_step
-            self._round = None
-
-
-def _output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The shared output layer on MTP hidden states, as megatron's draft step applies it."""
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    logits, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=True)
-    return model._scale_logits(logits)
-
-
-def _pad_rows(values: torch.Tensor, rows: int) -> torch.Tensor:
-    """Zero rows appended up to ``rows`` (megatron pads the draft batch for sequence parallelism)."""
-    missing = rows - values.shape[0]
-    return torch.cat([values, values.new_zeros(missing, *values.shape[1:])]) if missing > 0 else values
-
-
-def _sequence_parallel_multiple(model) -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
 
 
 def upstream_drafts_have_context(model) -> bool:
@@ -185,31 +157,6 @@ def serial_step_leak(model) -> float:
     return float((first[1] - second[1]).abs().max())
 
 
-class SequenceDraftsController:
-    """Mixin for megatron's ``TextGenerationController`` (or a subclass): drafts from each
-    request's sequence (module docstring). Place it first among the bases."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.sequence_drafts = SequenceDrafts(self._unwrapped_model)
-
-    def _compute_serial_mtp_and_sample(self, *args, **kwargs) -> None:
-        context = self.inference_wrapped_model.inference_context
-        if not (self._is_last_pp_stage and context.mtp_decoder_hidden_states is not None):
-            return super()._compute_serial_mtp_and_sample(*args, **kwargs)
-        self.sequence_drafts.record_verified_step(context, self._last_accepted_seq_indices, self._step_decoder_hidden(context))
-        self.sequence_drafts.begin_round(context.request_ids[context.paused_request_count : context.total_request_count].tolist())
-        with self.sequence_drafts.serving_draft_steps(self._unwrapped_model):
-            super()._compute_serial_mtp_and_sample(*args, **kwargs)
-
-    def _step_decoder_hidden(self, context) -> torch.Tensor:
-        """The step's decoder output [T, 1, H], gathered where sequence parallelism scatters it."""
-        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-        hidden = context.mtp_decoder_hidden_states
-        return gather_from_sequence_parallel_region(hidden, group=self.inference_wrapped_model.tp_group) if self._sp_enabled else hidden
-
-
 def with_sequence_drafts(controller_class: type) -> type:
     """``controller_class`` drafting from each request's sequence."""
-    return type(f"SequenceDrafts{controller_class.__name__}", (SequenceDraftsController, controller_class), {})
+    return with_drafter(controller_class, SequenceDrafts)

@@ -32,8 +32,9 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gen
     p: [N, k + 1, V] policy probabilities at the k draft positions and the bonus position;
     q: [N, k, V] the distributions the drafts were sampled from; drafts: [N, k].
     Returns [N, k + 1] tokens: the accepted drafts, then one token from max(0, p - q) at the first
-    rejection (from p at the bonus position when none is rejected); positions after that hold
-    samples from p, which the engine never reads (its check stops at the first mismatch)."""
+    rejection (from p at the bonus position when none is rejected); positions after that repeat
+    drafts, which the engine never reads (its check stops at the first mismatch: the residual
+    token never equals the rejected draft, whose p < q leaves it no residual mass)."""
     num_requests, k = drafts.shape
     rows = torch.arange(num_requests, device=p.device)
     p_of_draft = p[:, :k].gather(2, drafts[..., None]).squeeze(2)
@@ -43,8 +44,7 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gen
     first_rejection = (~rejected_so_far).sum(dim=1)  # k when every draft is accepted
     corrections = torch.cat([(p[:, :k] - q).clamp(min=0), p[:, k:]], dim=1)
     correction = torch.multinomial(corrections[rows, first_rejection], 1, generator=generator).view(-1)
-    tokens = torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).view(num_requests, k + 1)
-    tokens[:, :k] = torch.where(rejected_so_far, tokens[:, :k], drafts)
+    tokens = torch.cat([drafts, drafts[:, :1]], dim=1)
     tokens[rows, first_rejection] = correction
     return tokens
 
@@ -67,35 +67,39 @@ class RejectionSamplingController(TextGenerationController):
         super()._compute_serial_mtp_and_sample(*args, **kwargs)
 
     def _sample_from_logits_2d(self, logits_2d: torch.Tensor) -> torch.Tensor:
-        """One depth of drafts ([active requests]), with their distribution q recorded."""
-        tokens = super()._sample_from_logits_2d(logits_2d)
+        """One depth of drafts ([active requests]), drawn from q, megatron's sampling distribution
+        of the logits (its ``log_probs_kernel``: temperature, top-k, top-p), which is recorded."""
         context = self.inference_wrapped_model.inference_context
-        self._draft_tokens.append(tokens.clone())
-        self._draft_probs.append(self._sampling.log_probs_kernel(logits_2d, context).exp())
+        probs = self._sampling.log_probs_kernel(logits_2d, context).exp()
+        tokens = torch.multinomial(probs, 1, generator=self.sampling_rng).view(-1)
+        self._draft_tokens.append(tokens)
+        self._draft_probs.append(probs)
         return tokens
 
     def drafts_of_decode_requests(self, num_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [D, k] and their distributions [D, k, V] of the first ``num_decode`` active
-        requests, found by request id (the engine reorders requests between steps)."""
+        requests, found by request id (the engine reorders requests between steps). The check
+        that every one has drafts is asserted on the device: no host synchronisation."""
         context = self.inference_wrapped_model.inference_context
         active_ids = context.request_ids[context.paused_request_count : context.total_request_count][:num_decode]
         matches = active_ids.to(self._draft_request_ids.device)[:, None] == self._draft_request_ids[None, :]
-        if not bool(matches.any(dim=1).all()):
-            raise RuntimeError("rejection sampling: a decode request has no recorded MTP drafts")
+        torch._assert_async(matches.any(dim=1).all(), "rejection sampling: a decode request has no recorded MTP drafts")
         where = matches.int().argmax(dim=1)
         drafts = torch.stack(self._draft_tokens, dim=1)[where]
         probs = torch.stack(self._draft_probs, dim=1)[where]
         return drafts, probs
 
     def _verify_speculative_tokens(self, output_tokens, input_tokens_required, num_decode_requests, *args, **kwargs):
-        """The engine's equality check, after making sure the drafts it verifies are the ones
-        rejection sampling judged."""
+        """The engine's equality check, after asserting (on the device) that the drafts it
+        verifies are the ones rejection sampling judged."""
         if num_decode_requests:
             stride = self.num_speculative_tokens + 1
             verified = input_tokens_required.reshape(-1)[: num_decode_requests * stride].view(num_decode_requests, stride)[:, 1:]
             recorded, _ = self.drafts_of_decode_requests(num_decode_requests)
-            if not torch.equal(verified, recorded.to(verified.device)):
-                raise RuntimeError("rejection sampling: the drafts in the engine's input are not the recorded ones")
+            torch._assert_async(
+                (verified == recorded.to(verified.device)).all(),
+                "rejection sampling: the drafts in the engine's input are not the recorded ones",
+            )
         return super()._verify_speculative_tokens(output_tokens, input_tokens_required, num_decode_requests, *args, **kwargs)
 
 
@@ -122,9 +126,11 @@ class _RejectionSampling:
         )
         p = self._backend.log_probs_kernel(logits, context, token_to_request_index=request_of_row).exp()
         generator = self._controller.sampling_rng
-        tokens = torch.multinomial(p, 1, generator=generator).view(-1)
+        parts = []
         if num_decode:
             drafts, q = self._controller.drafts_of_decode_requests(num_decode)
             p_decode = p[:decode_rows].view(num_decode, k + 1, -1)
-            tokens[:decode_rows] = rejection_sample(p_decode, q, drafts.to(p.device), generator).view(-1)
-        return tokens
+            parts.append(rejection_sample(p_decode, q, drafts.to(p.device), generator).view(-1))
+        if num_prefill:
+            parts.append(torch.multinomial(p[decode_rows:], 1, generator=generator).view(-1))
+        return torch.cat(parts)

@@ -5,10 +5,11 @@ The path, step by step (all of it inside the engine, over the live training mode
   1. drafts        - after each verified step the MTP layers run serially from the last accepted
                      token: depth d proposes draft d + 1 from the token before it, sampled with the
                      request's sampling parameters (``num_speculative_tokens`` drafts per request;
-                     a repeated MTP layer may propose more than it has layers). With
-                     ``draft_context: sequence`` (default, :mod:`sequence_drafts`) each depth runs
-                     over the request's whole verified sequence, as in training; megatron's own
-                     step (``single_position``) sees the last position only
+                     a repeated MTP layer may propose more than it has layers). Each depth sees
+                     the request's whole verified sequence, as in training: from its own KV cache
+                     (``draft_context: incremental``, default, :mod:`incremental_drafts`) or by
+                     rerunning over the sequence (``sequence``, :mod:`sequence_drafts`);
+                     megatron's own step (``single_position``) sees the last position only
   2. verification  - the next forward pass runs the policy over [last token, drafts] at once.
                      ``spec_verification: rejection_sampling`` (default, :mod:`spec_verification`)
                      accepts draft x with probability min(1, p(x)/q(x)) and draws the token at the
@@ -45,9 +46,10 @@ def max_speculative_tokens(megatron_cfg) -> int | None:
 
 
 def check_speculation_supported(generation_cfg, megatron_cfg) -> None:
-    """Raise ValueError naming the key when the engine cannot speculate as configured."""
+    """Raise ValueError naming the key when the engine cannot speculate as configured (``auto``
+    chooses within what the model allows)."""
     k = generation_cfg.num_speculative_tokens
-    if k <= 0:
+    if k == "auto" or k <= 0:
         return
     limit = max_speculative_tokens(megatron_cfg)
     if limit is not None and k > limit:
@@ -59,24 +61,30 @@ def check_speculation_supported(generation_cfg, megatron_cfg) -> None:
 
 
 def speculation_counts(engine) -> dict[str, torch.Tensor]:
-    """Drafts proposed and accepted per position ``[k]`` since the engine's last reset.
-
-    megatron keeps these in private counters (``_spec_tokens_{proposed,accepted}_per_pos``); a
-    request's decode step proposes at every position, so ``proposed[0]`` counts request-steps.
-    """
-    return {
-        "draft_proposed": engine._spec_tokens_proposed_per_pos.clone(),
-        "draft_accepted": engine._spec_tokens_accepted_per_pos.clone(),
-    }
+    """Drafts proposed and accepted per position ``[k]`` since the engine's last reset, as the
+    controller counts them once per step (:class:`engine_bookkeeping.AcceptanceCounts`, megatron's
+    rule: a decode request proposes at every position; draft i counts as accepted when the drafts
+    before it were). ``[0]`` without speculation."""
+    controller = engine.controller
+    if not hasattr(controller, "acceptance_counts"):
+        return {"draft_proposed": torch.zeros(0, dtype=torch.int64), "draft_accepted": torch.zeros(0, dtype=torch.int64)}
+    proposed, accepted = controller.acceptance_counts()
+    return {"draft_proposed": proposed.clone(), "draft_accepted": accepted.clone()}
 
 
 def speculation_metrics(counts: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per draft position i (1-indexed): proposed, accepted, acceptance rate in percent; and the
-    tokens a request gains per decode step (1 + accepted drafts). ``{}`` without speculation."""
+    tokens a request gains per decode step (1 + accepted drafts). With ``auto``: the drafts per
+    step it chose and the tokens/s it expected and the engine delivered. ``{}`` without
+    speculation."""
+    metrics = {}
+    if "speculative_tokens" in counts:
+        metrics["rollout/num_speculative_tokens"] = float(counts["speculative_tokens"])
+        metrics["rollout/expected_tokens_per_s"] = float(counts["expected_tokens_per_s"])
+        metrics["rollout/engine_tokens_per_s"] = float(counts["engine_tokens_per_s"])
     proposed, accepted = counts["draft_proposed"].double(), counts["draft_accepted"].double()
     if proposed.numel() == 0:
-        return {}
-    metrics = {}
+        return metrics
     for position, (num_proposed, num_accepted) in enumerate(zip(proposed.tolist(), accepted.tolist()), start=1):
         metrics[f"rollout/draft_{position}_proposed"] = num_proposed
         metrics[f"rollout/draft_{position}_accepted"] = num_accepted

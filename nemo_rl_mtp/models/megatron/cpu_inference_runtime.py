@@ -8,8 +8,9 @@ On top of :mod:`cpu_runtime` (which adapts training), the engine reaches CUDA in
    ``is_fa_min_version`` gate in front of them: replaced by a batched torch paged attention
    (:mod:`paged_attention`).
 3. triton kernels: the KV-cache append (megatron falls back to indexing when it is None) and the
-   controller's speculative-decoding kernels (verify drafts, prepare the next pass, Mamba state
-   copy), rebound to megatron's own PyTorch versions in ``mtp_utils_pytorch``.
+   controller's speculative-decoding kernels (verify drafts, Mamba state copy), rebound to
+   megatron's own PyTorch versions in ``mtp_utils_pytorch``; preparing the next pass, whose
+   PyTorch version loops over requests, to the vectorised one in :mod:`speculative_kernels`.
 4. pipeline parallelism: the engine's stage-to-stage helpers assert their tensors are CUDA
    tensors (``communication_utils._is_cuda``); on the CPU they only need to exist.
 5. ``pin_memory``: dropped by :func:`cpu_runtime.device_scope`, which must be active while the
@@ -28,14 +29,15 @@ from typing import Optional
 
 import torch
 
-from nemo_rl_mtp.models.megatron import cpu_runtime, paged_attention
+from nemo_rl_mtp.models.megatron import cpu_runtime, paged_attention, speculative_kernels
 
 logger = logging.getLogger(__name__)
 
 _INSTALLED = False
 ADAPTATIONS = (
     "torch.cuda.Event/Stream -> host stand-ins, flash-attn paged kernels -> torch paged attention, "
-    "triton KV append and MTP kernels -> megatron's PyTorch versions, pipeline tensors may be host tensors"
+    "triton KV append and MTP kernels -> megatron's PyTorch versions (preparing the next pass: vectorised), "
+    "pipeline tensors may be host tensors"
 )
 
 
@@ -69,8 +71,9 @@ def install() -> bool:
     attention.is_fa_min_version = _paged_attention_stands_in
     dynamic_context.triton_append_key_value_cache = None
     communication_utils._is_cuda = _is_tensor
-    for kernel in ("verify_speculative_tokens", "prepare_next_forward_pass", "mamba_state_selective_copy"):
+    for kernel in ("verify_speculative_tokens", "mamba_state_selective_copy"):
         setattr(text_generation_controller, kernel, getattr(mtp_utils_pytorch, kernel))
+    text_generation_controller.prepare_next_forward_pass = speculative_kernels.prepare_next_forward_pass
     _INSTALLED = True
     logger.info("cpu_inference_runtime: inference engine adapted to CPU: %s", ADAPTATIONS)
     return True

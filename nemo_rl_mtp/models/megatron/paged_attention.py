@@ -5,14 +5,22 @@ megatron-core's dynamic inference engine keeps keys and values in a paged cache 
 ``block_size_tokens`` tokens, one row of block ids per request) and reads it through
 ``flash_attn_varlen_func`` (prefill, requests of any length) and ``flash_attn_with_kvcache``
 (decode, every request with the same number of new tokens). Both are CUDA-only. The functions
-here take the same arguments and compute the same thing, all requests of a step in one batched
-matmul: a per-request loop measured 4x slower on a 2-core VM. Exact, not fast; causal masks are
+here take the same arguments and compute the same thing, all requests of a step in one call of
+torch's fused ``scaled_dot_product_attention`` over the gathered blocks (a per-request loop
+measured 4x slower on a 2-core VM; an explicit softmax over einsum scores, 2x). Causal masks are
 aligned bottom-right, as flash-attn aligns them when a request's queries are the last of its keys.
+
+A step reads only the blocks that hold tokens: the block table is as wide as the longest sequence
+the engine admits (``max_sequence_length``), so gathering all of it made a decode step cost
+O(maximum length) instead of O(tokens in use), and the response budget, not the responses, set
+the speed. The longest key length is read on the host once per call (flash-attn reads it on the
+device); this module runs only where there is no device.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def paged_attention(
@@ -31,23 +39,51 @@ def paged_attention(
     ``[num_blocks, block_size, h_kv, d]``; block_table ``[b, max_blocks]``. Returns ``[b, sq, h, d]``
     (zeros on padding rows).
     """
-    num_heads = queries.shape[2]
-    keys = _gather_blocks(key_cache, block_table, num_heads)
-    values = _gather_blocks(value_cache, block_table, num_heads)
-    scores = torch.einsum("bqhd,bkhd->bhqk", queries.float(), keys.float()) * softmax_scale
+    block_table = block_table[:, : blocks_in_use(key_lengths, key_cache.shape[1])]
+    keys, values = _gather_blocks(key_cache, block_table), _gather_blocks(value_cache, block_table)
+    return _attend(queries, query_lengths, keys, values, key_lengths, softmax_scale)
+
+
+def paged_attention_over_pairs(
+    queries: torch.Tensor,
+    query_lengths: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    key_lengths: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """:func:`paged_attention` over one buffer of keys and values ``[2, num_blocks, block_size,
+    h_kv, d]``, read with one gather, of every column of ``block_table``: the caller passes the
+    columns in use (it knows them from the engine's host-side bookkeeping: no read of a device
+    value here, so this runs on a GPU too)."""
+    rows, width = block_table.shape
+    ids = block_table.reshape(-1).long() % kv_cache.shape[1]
+    pairs = kv_cache.index_select(1, ids).view(2, rows, width * kv_cache.shape[2], *kv_cache.shape[3:])
+    return _attend(queries, query_lengths, pairs[0], pairs[1], key_lengths, softmax_scale)
+
+
+def _attend(queries, query_lengths, keys, values, key_lengths, softmax_scale) -> torch.Tensor:
+    """Queries ``[b, sq, h, d]`` over gathered keys and values ``[b, sk, h_kv, d]``."""
     allowed = _causal_key_mask(query_lengths, key_lengths, queries.shape[1], keys.shape[1])
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    # Padding query rows see no key: their softmax is NaN, and their output is zeroed below.
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, values.float()).to(queries.dtype)
+    attended = F.scaled_dot_product_attention(
+        queries.float().transpose(1, 2), keys.float().transpose(1, 2), values.float().transpose(1, 2),
+        attn_mask=allowed[:, None], scale=softmax_scale, enable_gqa=keys.shape[2] != queries.shape[2],
+    )
+    # Padding query rows see no key: their softmax is NaN, and their output is zeroed.
+    return attended.transpose(1, 2).nan_to_num(0.0).to(queries.dtype)
 
 
-def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``[b, max_blocks * block_size, h, d]``: each request's blocks in order, key/value heads
-    repeated for grouped-query attention. Unused block ids (-1) read some block; masked later."""
-    gathered = cache[block_table.long()].flatten(1, 2)
-    groups = num_heads // gathered.shape[2]
-    return gathered.repeat_interleave(groups, dim=2) if groups > 1 else gathered
+def blocks_in_use(key_lengths: torch.Tensor, block_size: int) -> int:
+    """Blocks of the longest request: the block-table columns a step reads (at least one)."""
+    longest = int(key_lengths.max()) if key_lengths.numel() else 0
+    return max(-(-longest // block_size), 1)
+
+
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """``[b, blocks * block_size, h_kv, d]``: each request's blocks in order. Unused block ids
+    (-1) read some block; masked later."""
+    rows, width = block_table.shape
+    return cache.index_select(0, block_table.reshape(-1).long() % cache.shape[0]).view(rows, width * cache.shape[1], *cache.shape[2:])
 
 
 def _causal_key_mask(

@@ -22,9 +22,10 @@ from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorke
 logger = logging.getLogger(__name__)
 
 # How the data-parallel ranks' rollout results combine: per-sample tensors are concatenated,
-# decode steps come from the rank that needed most (ranks step in parallel), counts are summed.
+# decode steps come from the rank that needed most (ranks step in parallel), so does auto's choice
+# of drafts per step; counts (and tokens/s) are summed.
 ROLLOUT_KEYS = ("tokens", "lengths", "prompt_lengths", "logprobs")
-PARALLEL_KEYS = ("decode_steps",)
+PARALLEL_KEYS = ("decode_steps", "speculative_tokens")
 WORKER_EXIT_TIMEOUT_S = 5
 
 

@@ -33,6 +33,8 @@ class MegatronPolicyWorker:
         initialize_model_parallel(policy_cfg.megatron_cfg, rank, world_size, init_method)
         self.policy = setup_megatron_policy(policy_cfg, vocab_size)
         self.rollout_engine = RolloutEngine(self.policy, policy_cfg)
+        # The latest training step's metrics, until the next rollout reads its acceptance forecast.
+        self.latest_training_metrics = None
         # The reference policy for the KL penalty: the initial weights, kept on the host.
         self.reference_weights = self._host_copy_of_weights() if keep_reference_weights else None
 
@@ -60,6 +62,9 @@ class MegatronPolicyWorker:
         from megatron.core import parallel_state
 
         rank_seed = seed * 1_000_003 + parallel_state.get_data_parallel_rank()
+        if self.latest_training_metrics is not None:
+            self.rollout_engine.observe_training_metrics(self.latest_training_metrics)
+            self.latest_training_metrics = None
         return self.rollout_engine.generate(prompts, eos_id, pad_id, rank_seed, greedy)
 
     def imitate(self, batch: dict, lr: float) -> dict[str, float]:
@@ -72,7 +77,8 @@ class MegatronPolicyWorker:
         for group in groups:
             group["lr"] = lr
         try:
-            return imitation_step(self.policy, batch, self.policy_cfg)
+            self.latest_training_metrics = imitation_step(self.policy, batch, self.policy_cfg)
+            return self.latest_training_metrics
         finally:
             for group, value in zip(groups, configured):
                 group["lr"] = value
@@ -105,6 +111,7 @@ class MegatronPolicyWorker:
         if mtp_enabled(self.policy.config):
             assert_mtp_trained(self.policy.config, mtp_metrics, metrics["mtp/grad_norm"], metrics["mtp/global_valid_tokens"])
         metrics.update(mtp_metrics)
+        self.latest_training_metrics = metrics
         return metrics
 
     def save_checkpoint(self, directory: str) -> None:

@@ -1,13 +1,13 @@
-"""MTP drafts from each request's own sequence, checked against megatron's training forward on
-the real engine (CPU): the drafts' logits, their independence from the batch, and the engine's
-acceptance counts."""
+"""MTP drafts from each request's own sequence (from the MTP depths' KV caches, or rerun over the
+whole sequence), checked against megatron's training forward on the real engine (CPU): the
+drafts' logits, their independence from the batch, and the engine's acceptance counts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nemo_rl_mtp.models.generation import sequence_drafts
+from nemo_rl_mtp.models.generation import incremental_drafts, sequence_drafts
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from tests.helpers import eval_forward_logits, make_policy, response_mask, tiny_config
 from tests.unit.models.generation.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides, generate
@@ -20,20 +20,33 @@ _DRAW = torch.Generator().manual_seed(7)
 VARIED_PROMPTS = [TOKENIZER.encode_prompt(torch.randint(0, 10, (2 + i % 2,), generator=_DRAW).tolist()) for i in range(24)]
 
 
+DRAFT_CONTEXTS = ["incremental", "sequence"]
+
+
+def _drafting_positions(drafter) -> list[int]:
+    """Per request of the round, the position of the hidden state it drafts from."""
+    if isinstance(drafter, sequence_drafts.SequenceDrafts):
+        return drafter._round["last"].tolist()
+    return (drafter._round["verified"] - 1).tolist()
+
+
 @pytest.fixture
 def recorded_drafts(monkeypatch):
-    """Every draft's logits, keyed by (request id, position of the
-    hidden state it drafts from, depth), as :class:`SequenceDrafts` hands them to the engine."""
+    """Every draft's logits, keyed by (request id, position of the hidden state it drafts from,
+    depth), as the drafters hand them to the engine."""
     records = {}
-    draft_step = sequence_drafts.SequenceDrafts.draft_step
 
-    def recording(self, next_token_ids, depth):
-        last_hidden, logits = draft_step(self, next_token_ids, depth)
-        for row, request_id in enumerate(self._round["request_ids"]):
-            records[(request_id, int(self._round["last"][row]), depth)] = logits[row, 0].clone()
-        return last_hidden, logits
+    def recording(draft_step):
+        def draft_step_recorded(self, next_token_ids, depth):
+            last_hidden, logits = draft_step(self, next_token_ids, depth)
+            for row, (request_id, position) in enumerate(zip(self._round["request_ids"], _drafting_positions(self))):
+                records[(int(request_id), position, depth)] = logits[row, 0].clone()
+            return last_hidden, logits
 
-    monkeypatch.setattr(sequence_drafts.SequenceDrafts, "draft_step", recording)
+        return draft_step_recorded
+
+    for drafter in (sequence_drafts.SequenceDrafts, incremental_drafts.IncrementalDrafts):
+        monkeypatch.setattr(drafter, "draft_step", recording(drafter.draft_step))
     return records
 
 
@@ -42,11 +55,12 @@ def training_mtp_logits(policy, rollouts) -> list[torch.Tensor]:
     return eval_forward_logits(policy, rollouts["tokens"], response_mask(rollouts))[1]
 
 
-def test_drafts_equal_the_training_forward_of_the_mtp_heads_at_their_position(trained_policy, recorded_drafts):
+@pytest.mark.parametrize("draft_context", DRAFT_CONTEXTS)
+def test_drafts_equal_the_training_forward_of_the_mtp_heads_at_their_position(trained_policy, recorded_drafts, draft_context):
     """Depth d drafting from the hidden state at position j is training's depth-d prediction at
     j. Depth 1 reads the depth-0 draft where training reads the real token, so it is compared
     where the two agree (heads trained, so that they often do)."""
-    cfg = tiny_config(**engine_overrides(2, **SIZES, **GREEDY)).policy
+    cfg = tiny_config(**engine_overrides(2, **SIZES, **GREEDY, generation__draft_context=draft_context)).policy
     rollouts = generate(RolloutEngine(trained_policy, cfg), VARIED_PROMPTS)
     reference = training_mtp_logits(trained_policy, rollouts)
     compared = [0, 0]
@@ -61,9 +75,10 @@ def test_drafts_equal_the_training_forward_of_the_mtp_heads_at_their_position(tr
     assert compared[0] >= 20 and compared[1] >= 10, compared
 
 
-def test_a_requests_drafts_do_not_depend_on_the_other_requests_of_the_batch(recorded_drafts):
+@pytest.mark.parametrize("draft_context", DRAFT_CONTEXTS)
+def test_a_requests_drafts_do_not_depend_on_the_other_requests_of_the_batch(recorded_drafts, draft_context):
     """Each prompt alone, then all in one batch: the same drafts at the same positions."""
-    policy, cfg = make_policy(**engine_overrides(2, **GREEDY))
+    policy, cfg = make_policy(**engine_overrides(2, **GREEDY, generation__draft_context=draft_context))
     engine = RolloutEngine(policy, cfg)
     alone = {}
     for index, prompt in enumerate(PROMPTS[:4]):
@@ -91,7 +106,7 @@ def expected_draft_counts(policy, rollouts) -> tuple[int, int]:
     return proposed, accepted
 
 
-@pytest.mark.parametrize("draft_context", ["sequence", "single_position"])
+@pytest.mark.parametrize("draft_context", [*DRAFT_CONTEXTS, "single_position"])
 def test_greedy_rollout_acceptance_is_the_training_top1_acceptance_of_the_heads(trained_policy, draft_context):
     """Heads trained until drafts are often right: the engine's proposed and accepted counts equal
     those replayed from the training forward's top-1 predictions. megatron's own draft step
@@ -102,4 +117,4 @@ def test_greedy_rollout_acceptance_is_the_training_top1_acceptance_of_the_heads(
     expected = expected_draft_counts(trained_policy, rollouts)
     print(f"{draft_context}: engine proposed/accepted {measured}, replayed from training {expected}")
     assert expected[1] > 0.5 * expected[0], f"{expected}: heads too weak for the test to bite"
-    assert (measured == expected) == (draft_context == "sequence")
+    assert (measured == expected) == (draft_context != "single_position")

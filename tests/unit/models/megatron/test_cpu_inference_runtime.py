@@ -13,7 +13,7 @@ import torch
 from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch, text_generation_controller
 from megatron.core.transformer import attention
 
-from nemo_rl_mtp.models.megatron import cpu_inference_runtime, paged_attention
+from nemo_rl_mtp.models.megatron import cpu_inference_runtime, paged_attention, speculative_kernels
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only adaptation")
 
@@ -27,7 +27,8 @@ def test_install_swaps_the_cuda_kernels_once_and_logs(caplog, monkeypatch):
     assert cpu_inference_runtime.install() is True
     assert patched == (torch.cuda.Event, attention.flash_attn_with_kvcache, text_generation_controller.verify_speculative_tokens)
     assert attention.flash_attn_varlen_func is paged_attention.flash_attn_varlen_func
-    assert text_generation_controller.prepare_next_forward_pass is mtp_utils_pytorch.prepare_next_forward_pass
+    assert text_generation_controller.verify_speculative_tokens is mtp_utils_pytorch.verify_speculative_tokens
+    assert text_generation_controller.prepare_next_forward_pass is speculative_kernels.prepare_next_forward_pass
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(), end.record()
     assert end.elapsed_time(start) <= 0 <= start.elapsed_time(end)

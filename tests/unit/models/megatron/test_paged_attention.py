@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nemo_rl_mtp.models.megatron.paged_attention import flash_attn_varlen_func, flash_attn_with_kvcache
+from nemo_rl_mtp.models.megatron.paged_attention import flash_attn_varlen_func, flash_attn_with_kvcache, paged_attention_over_pairs
 
 BLOCK_SIZE, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 
@@ -71,3 +71,39 @@ def test_decode_with_several_new_tokens_per_request():
 def test_unsupported_options_fail_loudly():
     with pytest.raises(NotImplementedError, match="window_size"):
         flash_attn_with_kvcache(torch.zeros(1, 1, HEADS, DIM), None, None, window_size=(4, 0), block_table=torch.zeros(1, 1))
+
+
+def test_a_step_reads_only_the_blocks_that_hold_tokens():
+    """The block table is as wide as the longest sequence the engine admits. Its columns past the
+    longest request's blocks point at a block of NaNs: read, they would poison every output. (The
+    unused ids -1 of shorter requests read the last block, a finite one, as the engine's do.)"""
+    generator = torch.Generator().manual_seed(2)
+    key_lengths = [6, 3, 11]
+    key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
+    poisoned = key_cache.shape[0]
+    key_cache = torch.cat([key_cache, torch.full_like(key_cache[:1], float("nan")), key_cache[:1]])
+    value_cache = torch.cat([value_cache, torch.full_like(value_cache[:1], float("nan")), value_cache[:1]])
+    in_use = -(-max(key_lengths) // BLOCK_SIZE)
+    wide_table = torch.full((3, 64), poisoned, dtype=torch.int32)
+    wide_table[:, :in_use] = block_table[:, :in_use]
+    queries = torch.randn(3, 2, HEADS, DIM, generator=generator)
+    out = flash_attn_with_kvcache(
+        queries, key_cache, value_cache, cache_seqlens=torch.tensor(key_lengths, dtype=torch.int32), block_table=wide_table
+    )
+    for request in range(3):
+        torch.testing.assert_close(out[request], _dense(queries[request], keys[request], values[request]), rtol=1e-5, atol=1e-5)
+
+
+def test_keys_and_values_in_one_buffer():
+    """The MTP caches' layout ``[2, blocks, ...]``: ragged queries (last of their keys) per request."""
+    generator = torch.Generator().manual_seed(3)
+    key_lengths, query_lengths = [6, 3, 11], [2, 1, 3]
+    key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
+    queries = torch.randn(3, 3, HEADS, DIM, generator=generator)
+    out = paged_attention_over_pairs(
+        queries, torch.tensor(query_lengths), torch.stack([key_cache, value_cache]), block_table, torch.tensor(key_lengths), DIM**-0.5
+    )
+    for request, count in enumerate(query_lengths):
+        expected = _dense(queries[request, :count], keys[request], values[request])
+        torch.testing.assert_close(out[request, :count], expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[request, count:], torch.zeros_like(out[request, count:]))

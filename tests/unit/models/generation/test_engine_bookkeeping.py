@@ -1,0 +1,110 @@
+"""The once-per-step speculative bookkeeping against megatron-core's own per-request bookkeeping:
+same rollouts, same log-probs, same acceptance counts; the rewind patch's probe on the installed
+release and where upstream changes; the probe of the engine's private names the speculation path
+relies on."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch, text_generation_controller
+
+from nemo_rl_mtp.models.generation import engine_bookkeeping, engine_compat
+from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
+from nemo_rl_mtp.models.megatron import speculative_kernels
+from tests.helpers import make_policy
+from tests.unit.models.generation.engine_cases import PROMPTS, engine_overrides, generate
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+
+def test_merged_tokens_are_the_accepted_drafts_then_the_new_token():
+    accepted = torch.tensor([[5, 6, -1], [-1, -1, -1], [7, 8, 9], [3, -1, -1], [1, 1, 1]])
+    sample = torch.tensor([10, 11, 12, 13])  # the buffer holds more rows than the step's requests
+    expected = [[token for token in row if token != -1] + [new] for row, new in zip(accepted.tolist(), sample.tolist())]
+    assert engine_bookkeeping.merged_tokens(accepted, sample) == expected
+
+
+@pytest.mark.parametrize("k, verification", [(1, "rejection_sampling"), (2, "rejection_sampling"), (2, "exact_match")])
+def test_rollouts_and_counts_equal_megatrons_own_bookkeeping(monkeypatch, k, verification):
+    """The reference engine is megatron's DynamicInferenceEngine with its own per-request walk,
+    counters, rewind loop and next-pass loop; three requests at a time, temperature 0.7 (drafts
+    rejected and accepted, responses cut by the budget mid-step)."""
+    overrides = engine_overrides(
+        k, 2, generation__engine__max_requests=3, generation__temperature=0.7, generation__spec_verification=verification
+    )
+    policy, cfg = make_policy(**overrides)
+    ours = generate(RolloutEngine(policy, cfg), PROMPTS * 2, seed=11)
+
+    monkeypatch.setattr(engine_bookkeeping, "SpeculativeBookkeepingEngine", DynamicInferenceEngine)
+    monkeypatch.setattr(engine_bookkeeping, "install_vectorised_rewind", lambda: False)
+    monkeypatch.setattr(text_generation_controller, "rewind_kv_cache", mtp_utils_pytorch.rewind_kv_cache)
+    monkeypatch.setattr(text_generation_controller, "prepare_next_forward_pass", mtp_utils_pytorch.prepare_next_forward_pass)
+    reference_engine = RolloutEngine(policy, cfg)
+    assert type(reference_engine.engine) is DynamicInferenceEngine
+    reference = generate(reference_engine, PROMPTS * 2, seed=11)
+    megatron_counts = (reference_engine.engine._spec_tokens_proposed_per_pos, reference_engine.engine._spec_tokens_accepted_per_pos)
+
+    assert torch.equal(ours["tokens"], reference["tokens"]) and torch.equal(ours["logprobs"], reference["logprobs"])
+    assert torch.equal(ours["draft_proposed"], megatron_counts[0]) and torch.equal(ours["draft_accepted"], megatron_counts[1])
+    assert 0 < int(ours["draft_accepted"][0]) < int(ours["draft_proposed"][0])
+    assert torch.equal(reference["draft_proposed"], ours["draft_proposed"])  # the controller's count, both engines
+
+
+def test_the_rewind_patch_is_needed_on_the_installed_release_and_idempotent(caplog):
+    assert engine_bookkeeping.vectorised_rewind_probe()[0]
+    with caplog.at_level(logging.INFO, logger=engine_bookkeeping.__name__):
+        assert engine_bookkeeping.install_vectorised_rewind()
+        assert engine_bookkeeping.install_vectorised_rewind()
+    assert text_generation_controller.rewind_kv_cache is speculative_kernels.rewind_kv_cache
+
+
+@pytest.mark.parametrize("upstream", ["gone", "replaced", "different results"])
+def test_the_rewind_patch_switches_itself_off_where_upstream_changed(monkeypatch, caplog, upstream):
+    if upstream == "gone":
+        monkeypatch.delattr(text_generation_controller, "rewind_kv_cache")
+    elif upstream == "replaced":
+        monkeypatch.setattr(text_generation_controller, "rewind_kv_cache", lambda *args, **kwargs: None)
+    else:
+        original = mtp_utils_pytorch.rewind_kv_cache
+
+        def rewinds_one_more(accepted_counts, *args, **kwargs):
+            return original(accepted_counts - 1, *args, **kwargs)
+
+        rewinds_one_more.__signature__ = __import__("inspect").signature(original)
+        monkeypatch.setattr(mtp_utils_pytorch, "rewind_kv_cache", rewinds_one_more)
+        monkeypatch.setattr(text_generation_controller, "rewind_kv_cache", rewinds_one_more)
+    before = getattr(text_generation_controller, "rewind_kv_cache", None)
+    with caplog.at_level(logging.WARNING, logger=engine_bookkeeping.__name__):
+        assert not engine_bookkeeping.install_vectorised_rewind()
+    assert "not installed" in caplog.text
+    assert getattr(text_generation_controller, "rewind_kv_cache", None) is before
+
+
+def test_every_private_engine_name_the_speculation_path_needs_is_in_the_installed_release():
+    policy, cfg = make_policy(**engine_overrides(2, 2))
+    assert engine_compat.changed_names(RolloutEngine(policy, cfg).engine) == []
+
+
+@pytest.mark.parametrize(
+    "owner, name",
+    [(text_generation_controller.TextGenerationController, "_compute_serial_mtp_and_sample"), (DynamicInferenceEngine, "_spec_steps")],
+)
+def test_a_renamed_private_name_stops_the_engine_build_naming_it(monkeypatch, owner, name):
+    """An override megatron no longer calls would leave its own drafting in place, silently."""
+    policy, cfg = make_policy(**engine_overrides(1, 1))
+    if name == "_spec_steps":  # an instance attribute: hide it behind a class that drops it
+        original_reset = DynamicInferenceEngine.reset
+
+        def reset_without_counter(self):
+            original_reset(self)
+            del self._spec_steps
+
+        monkeypatch.setattr(DynamicInferenceEngine, "reset", reset_without_counter)
+    else:
+        monkeypatch.delattr(owner, name)
+    with pytest.raises(RuntimeError, match=name):
+        RolloutEngine(policy, cfg)
