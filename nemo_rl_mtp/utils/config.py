@@ -69,6 +69,8 @@ _RANGES = {
     "policy.megatron_cfg.num_query_groups": (1, True, None, False),
     "policy.megatron_cfg.rotary_base": (1, True, None, False),
     "policy.megatron_cfg.mtp_num_layers": (0, True, None, False),
+    "policy.megatron_cfg.hidden_dropout": (0.0, True, 1.0, False),
+    "policy.megatron_cfg.attention_dropout": (0.0, True, 1.0, False),
     "policy.megatron_cfg.mtp_loss_scaling_factor": (0.0, True, None, False),
     "policy.megatron_cfg.num_moe_experts": (0, True, None, False),
     "policy.megatron_cfg.moe_router_topk": (1, True, None, False),

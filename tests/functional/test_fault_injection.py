@@ -108,17 +108,33 @@ def uninterrupted(log_dir) -> list[dict]:
     return read_metrics(log_dir / "uninterrupted" / "metrics.jsonl")
 
 
-def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted):
+# Sampled rollouts (temperature 1) and dropout in the training forwards: a resumed run is exact
+# only if every random state (torch's, megatron's RNG tracker) comes back with the checkpoint.
+SAMPLED_WITH_DROPOUT = ("policy.generation.top_k=0", "policy.megatron_cfg.hidden_dropout=0.1", "policy.megatron_cfg.attention_dropout=0.1")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_sampled(log_dir) -> list[dict]:
+    completed = _run(_command(log_dir, "uninterrupted_sampled", *SAMPLED_WITH_DROPOUT))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return read_metrics(log_dir / "uninterrupted_sampled" / "metrics.jsonl")
+
+
+def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted_sampled):
+    """With sampled rollouts and dropout, so that a resume which lost a random state would differ
+    (shown by breaking the restore of the RNG states: the losses after the resume then differ)."""
     metrics = log_dir / "killed" / "metrics.jsonl"
-    _kill_when(_command(log_dir, "killed"), lambda: metrics.is_file() and len(read_metrics(metrics)) >= STEPS - 1)
+    command = _command(log_dir, "killed", *SAMPLED_WITH_DROPOUT)
+    _kill_when(command, lambda: metrics.is_file() and len(read_metrics(metrics)) >= STEPS - 1)
     checkpoints = sorted(path.name for path in (log_dir / "killed" / "checkpoints").iterdir())
     assert checkpoints and checkpoints[-1] < f"step_{STEPS:06d}"
-    resumed = _run(_command(log_dir, "killed"))
+    resumed = _run(command)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stderr
     rows = read_metrics(metrics)
     assert [row["step"] for row in rows] == list(range(STEPS))
-    assert _comparable(rows) == _comparable(uninterrupted)  # MTP and rollout metrics included
+    assert _comparable(rows) == _comparable(uninterrupted_sampled)  # MTP and rollout metrics included
+    assert any(row["train/probs_ratio"] != 1.0 for row in rows)  # dropout did act on the training forwards
 
 
 def test_kill_9_during_a_save_leaves_no_checkpoint_that_resume_would_take(log_dir, uninterrupted):
