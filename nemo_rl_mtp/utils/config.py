@@ -34,6 +34,7 @@ _CHOICES = {
     "policy.mtp_loss_mask_policy": {"all_responses", "positive_advantage"},
     "policy.generation.draft_context": {"sequence", "single_position"},
     "env.task": {"reverse", "sort", "count_up"},
+    "policy.megatron_cfg.mtp_loss_type": {"cross_entropy", "soft_cross_entropy", "total_variation"},
     "logger.wandb.mode": {"auto", "online", "offline"},
     "cluster.gpus_per_worker": {0, 1},
 }
@@ -170,6 +171,18 @@ def validate_config(cfg: DictConfig) -> None:
         "policy.megatron_cfg.sequence_parallel",
         megatron.sequence_parallel,
         "needs tensor_model_parallel_size > 1",
+    )
+    _require(
+        megatron.mtp_loss_type == "cross_entropy" or megatron.context_parallel_size == 1,
+        "policy.megatron_cfg.mtp_loss_type",
+        megatron.mtp_loss_type,
+        "needs context_parallel_size=1 (the policy's prediction of a head's target may sit on another context-parallel rank)",
+    )
+    _require(
+        not policy.mtp_frozen_during_rl or megatron.mtp_num_layers > 0,
+        "policy.mtp_frozen_during_rl",
+        policy.mtp_frozen_during_rl,
+        "needs MTP heads (policy.megatron_cfg.mtp_num_layers > 0)",
     )
     if megatron.context_parallel_size > 1:
         _require(

@@ -47,6 +47,7 @@ class MegatronConfig:
     mtp_loss_scaling_factor: float
     mtp_use_repeated_layer: bool
     mtp_detach_heads: bool
+    mtp_loss_type: str
     num_moe_experts: int
     moe_router_topk: int
     moe_ffn_hidden_size: Optional[int]
@@ -87,6 +88,7 @@ class PolicyConfig:
     train_micro_batch_size: int
     max_total_sequence_length: int
     mtp_loss_mask_policy: str
+    mtp_frozen_during_rl: bool
     sequence_packing: SequencePackingConfig
     generation: GenerationConfig
     megatron_cfg: MegatronConfig

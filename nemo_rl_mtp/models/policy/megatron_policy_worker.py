@@ -95,7 +95,8 @@ class MegatronPolicyWorker:
             module.load_state_dict(current)
 
     def train(self, batch: dict, loss_fn) -> dict[str, float]:
-        """One optimizer step on this rank's share of a global batch; metrics are global."""
+        """One GRPO optimizer step on this rank's share of a global batch (MTP heads as configured
+        for RL: ``mtp_loss_type``, ``mtp_frozen_during_rl``); metrics are global."""
         from nemo_rl_mtp.models.megatron.compat import assert_mtp_trained
         from nemo_rl_mtp.models.megatron.setup import mtp_enabled
         from nemo_rl_mtp.models.megatron.train import train_global_batch
@@ -103,7 +104,8 @@ class MegatronPolicyWorker:
         metrics, num_microbatches = train_global_batch(self.policy, batch, loss_fn, self.policy_cfg)
         mtp_metrics = self._collect_mtp_metrics(num_microbatches)
         if mtp_enabled(self.policy.config):
-            assert_mtp_trained(self.policy.config, mtp_metrics, metrics["mtp/grad_norm"], metrics["mtp/global_valid_tokens"])
+            frozen = self.policy_cfg.mtp_frozen_during_rl
+            assert_mtp_trained(self.policy.config, mtp_metrics, metrics["mtp/grad_norm"], metrics["mtp/global_valid_tokens"], frozen)
         metrics.update(mtp_metrics)
         return metrics
 

@@ -235,9 +235,10 @@ def test_all_masked_batch_gives_finite_metrics_and_zero_mtp_gradient():
     assert all(grads[name].abs().max() == 0 for name in mtp_parameter_names(policy))
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_packed_and_unpacked_steps_agree(recompute):
-    """Packed (THD, cu_seqlens) through our CPU core attention vs plain rows."""
+@pytest.mark.parametrize("recompute, loss_type", [(False, "cross_entropy"), (True, "cross_entropy"), (True, "soft_cross_entropy"), (False, "total_variation")])
+def test_packed_and_unpacked_steps_agree(recompute, loss_type):
+    """Packed (THD, cu_seqlens) through our CPU core attention vs plain rows, for megatron's MTP
+    loss and the losses on the policy's distribution (``mtp_loss_type``)."""
     recompute_keys = (
         dict(megatron_cfg__recompute_granularity="full", megatron_cfg__recompute_method="uniform", megatron_cfg__recompute_num_layers=1)
         if recompute
@@ -248,6 +249,7 @@ def test_packed_and_unpacked_steps_agree(recompute):
     for packed in (False, True):
         policy, cfg = make_policy(
             megatron_cfg__mtp_num_layers=2,
+            megatron_cfg__mtp_loss_type=loss_type,
             train_micro_batch_size=4,
             train_global_batch_size=8,
             sequence_packing__enabled=packed,

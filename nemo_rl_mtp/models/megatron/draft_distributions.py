@@ -1,0 +1,174 @@
+"""Statistics of the policy's and the MTP heads' distributions, computed row by row over
+vocab-parallel logits in chunks of rows: the acceptance-targeted MTP losses (value and gradient in
+one pass), the acceptance forecast sum_x min(p, q), and the policy's entropy.
+
+p = softmax(z_p / T) is the policy at the position that predicts a token (detached: a target),
+q = softmax(z_q / T) the MTP head's prediction of the same token, both at the sampling temperature
+T with the output layer's padding ids excluded, as the sampler sees them. Per row:
+
+* ``soft_cross_entropy``: -sum_x p log q. Gradient w.r.t. z_q: (q - p) / T.
+* ``total_variation``: 1 - sum_x min(p, q), the probability that rejection sampling rejects the
+  head's draft. Gradient: -(q / T) (1[q < p] - sum_{x: q < p} q).
+
+Memory. At a 150k vocabulary and 8k tokens per microbatch a float [tokens, vocab] tensor is 4.9 GB;
+nothing here makes one. Rows are processed a chunk at a time (chunk rows x vocab/tp at most
+``CHUNK_ELEMENTS``), each chunk's temporaries are [chunk, vocab/tp] floats, and a loss's gradient
+is written into the head's logits themselves (megatron's vocab-parallel cross entropy writes its
+softmax there the same way), so a loss keeps no [tokens, vocab] tensor beyond the logits the
+forward made anyway. Every row is processed, weighted (0 for prompts, padding and masked samples),
+so no per-microbatch host read picks the rows.
+
+Vocab parallelism: each tensor-parallel rank holds a [*, vocab/tp] shard; per chunk the row maxima
+are all-reduced (MAX) and the row sums (SUM) over the tensor-parallel group, as megatron's
+``vocab_parallel_cross_entropy`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+
+DISTRIBUTION_LOSSES = ("soft_cross_entropy", "total_variation")
+# Elements of one [chunk, vocab/tp] float temporary: 2**24 floats are 64 MiB (110 rows at 150k).
+CHUNK_ELEMENTS = 1 << 24
+# Padding ids: exp() of this after the max is subtracted is 0, as with -inf, and 0 * it is 0, not nan.
+_EXCLUDED = -1.0e30
+
+
+def chunk_rows(vocab_shard: int, chunk_elements: int | None = None) -> int:
+    return max(1, (chunk_elements or CHUNK_ELEMENTS) // vocab_shard)
+
+
+def _first_padding_column(shard_size: int, vocab_size: int) -> int | None:
+    """Column of this rank's shard where the padding ids (>= vocab_size) start; None: none here."""
+    first_id = parallel_state.get_tensor_model_parallel_rank() * shard_size
+    return None if first_id + shard_size <= vocab_size else max(vocab_size - first_id, 0)
+
+
+def _tensor_parallel(values: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(values, op=op, group=parallel_state.get_tensor_model_parallel_group())
+    return values
+
+
+def _scaled(rows: torch.Tensor, temperature: float, padding_column: int | None) -> torch.Tensor:
+    """rows / T in float (a new tensor), padding ids excluded."""
+    scaled = rows.float() / temperature
+    if padding_column is not None:
+        scaled[:, padding_column:] = _EXCLUDED
+    return scaled
+
+
+def _softmax_pairs(zq: torch.Tensor | None, zp: torch.Tensor) -> tuple:
+    """In place: z -> z - max (shifted logits); returns (q, p, log-normalisers [2 or 1, C])."""
+    pieces = [z for z in (zq, zp) if z is not None]
+    peaks = _tensor_parallel(torch.stack([z.amax(dim=-1) for z in pieces]), torch.distributed.ReduceOp.MAX)
+    weights = []
+    for z, peak in zip(pieces, peaks):
+        z.sub_(peak[:, None])
+        weights.append(z.exp())
+    sums = _tensor_parallel(torch.stack([w.sum(dim=-1) for w in weights]))
+    for w, total in zip(weights, sums):
+        w.div_(total[:, None])
+    if zq is None:
+        return None, weights[0], sums.log()
+    return weights[0], weights[1], sums.log()
+
+
+class _DraftTerms(torch.autograd.Function):
+    """Outputs: the loss sum_r w_r loss_r (differentiable), its unweighted-by-scale value sum_r m_r
+    loss_r, and the overlap sum sum_r f_r sum_x min(p, q). The gradient is computed in the forward
+    and written into ``draft_logits`` (whose values are no longer needed)."""
+
+    @staticmethod
+    def forward(ctx, draft_logits, policy_logits, policy_index, mask, forecast_mask, scale, loss_type, temperature, vocab_size, chunk):
+        vocab_shard = draft_logits.shape[-1]
+        draft_rows, policy_rows = draft_logits.view(-1, vocab_shard), policy_logits.reshape(-1, vocab_shard)
+        padding_column = _first_padding_column(vocab_shard, vocab_size)
+        write_gradient = loss_type is not None and ctx.needs_input_grad[0]
+        loss_sum = torch.zeros((), device=draft_rows.device)
+        overlap_sum = torch.zeros((), device=draft_rows.device)
+        for start in range(0, draft_rows.shape[0], chunk):
+            end = min(start + chunk, draft_rows.shape[0])
+            zq = _scaled(draft_rows[start:end], temperature, padding_column)
+            zp = _scaled(policy_rows.index_select(0, policy_index[start:end]), temperature, padding_column)
+            q, p, log_sums = _softmax_pairs(zq, zp)
+            smaller = q < p
+            local = [torch.minimum(p, q).sum(dim=-1)]
+            if loss_type == "soft_cross_entropy":
+                local.append((p * zq).sum(dim=-1))
+            elif loss_type == "total_variation":
+                local.append((q * smaller).sum(dim=-1))
+            totals = _tensor_parallel(torch.stack(local))
+            overlap = totals[0]
+            overlap_sum += (overlap * forecast_mask[start:end]).sum()
+            if loss_type is None:
+                continue
+            if loss_type == "soft_cross_entropy":
+                loss = log_sums[0] - totals[1]  # -sum p log q, log q = zq - log sum exp(zq)
+                gradient = q.sub_(p)
+            else:
+                loss = 1.0 - overlap
+                gradient = q.mul_(totals[1][:, None] - smaller.float())
+            loss_sum += (loss * mask[start:end]).sum()
+            if write_gradient:
+                gradient.mul_((mask[start:end] * (scale / temperature))[:, None])
+                draft_rows[start:end].copy_(gradient)
+        if write_gradient:
+            ctx.save_for_backward(draft_logits)
+        ctx.mark_non_differentiable(loss_sum, overlap_sum)
+        return loss_sum * scale, loss_sum, overlap_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_value, _grad_overlap):
+        (gradient,) = ctx.saved_tensors
+        return (gradient.mul_(grad_loss),) + (None,) * 9
+
+
+def draft_terms(
+    draft_logits: torch.Tensor,
+    policy_logits: torch.Tensor,
+    policy_index: torch.Tensor,
+    mask: torch.Tensor,
+    forecast_mask: torch.Tensor,
+    loss_type: str | None,
+    scale: float | torch.Tensor,
+    temperature: float,
+    vocab_size: int,
+    chunk_elements: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One MTP depth's loss and forecast sums over its rows.
+
+    draft_logits: the depth's logits, any shape [..., v/tp] (R rows); with a loss type and a graph,
+    its storage is overwritten with the gradient. policy_logits: [..., v/tp], read only (detached).
+    policy_index [R]: for each draft row, the policy row predicting the same token. mask [R]: loss
+    weight per row (0: no target). forecast_mask [R]: 1 where the overlap counts.
+    Returns (scale * sum_r mask_r loss_r, differentiable w.r.t. draft_logits; sum_r mask_r loss_r;
+    sum_r forecast_mask_r sum_x min(p, q)); the last two are not differentiable."""
+    if loss_type is not None and loss_type not in DISTRIBUTION_LOSSES:
+        raise ValueError(f"unknown MTP distribution loss {loss_type!r}; one of {DISTRIBUTION_LOSSES}")
+    chunk = chunk_rows(draft_logits.shape[-1], chunk_elements)
+    return _DraftTerms.apply(
+        draft_logits, policy_logits.detach(), policy_index, mask.float(), forecast_mask.float(), scale, loss_type,
+        temperature, vocab_size, chunk,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def entropy_sum(
+    policy_logits: torch.Tensor, mask: torch.Tensor, temperature: float, vocab_size: int, chunk_elements: int | None = None
+) -> torch.Tensor:
+    """sum_r mask_r H(p_r), H the entropy of the policy's sampling distribution at each row of
+    ``policy_logits`` [..., v/tp] (R rows; ``mask`` [R])."""
+    vocab_shard = policy_logits.shape[-1]
+    rows, weights = policy_logits.reshape(-1, vocab_shard), mask.reshape(-1).float()
+    padding_column = _first_padding_column(vocab_shard, vocab_size)
+    chunk = chunk_rows(vocab_shard, chunk_elements)
+    total = torch.zeros((), device=rows.device)
+    for start in range(0, rows.shape[0], chunk):
+        zp = _scaled(rows[start : start + chunk], temperature, padding_column)
+        _, p, log_sums = _softmax_pairs(None, zp)
+        # H = log sum exp(z) - sum p z, z the shifted logits.
+        entropy = log_sums[0] - _tensor_parallel((p * zp).sum(dim=-1))
+        total += (entropy * weights[start : start + chunk]).sum()
+    return total
