@@ -52,33 +52,28 @@ def _tensor_parallel(values: torch.Tensor, op=torch.distributed.ReduceOp.SUM) ->
 
 
 def _scaled(rows: torch.Tensor, temperature: float, padding_column: int | None) -> torch.Tensor:
-    """rows / T in float (a new tensor), padding ids excluded."""
-    scaled = rows.float() / temperature
+    """rows / T in float, padding ids excluded; a new tensor (never a view of ``rows``)."""
+    scaled = rows.float() / temperature if temperature != 1.0 or padding_column is not None else rows.float().clone()
     if padding_column is not None:
         scaled[:, padding_column:] = _EXCLUDED
     return scaled
 
 
-def _softmax_pairs(zq: torch.Tensor | None, zp: torch.Tensor) -> tuple:
-    """In place: z -> z - max (shifted logits); returns (q, p, log-normalisers [2 or 1, C])."""
-    pieces = [z for z in (zq, zp) if z is not None]
-    peaks = _tensor_parallel(torch.stack([z.amax(dim=-1) for z in pieces]), torch.distributed.ReduceOp.MAX)
-    weights = []
-    for z, peak in zip(pieces, peaks):
-        z.sub_(peak[:, None])
-        weights.append(z.exp())
-    sums = _tensor_parallel(torch.stack([w.sum(dim=-1) for w in weights]))
-    for w, total in zip(weights, sums):
-        w.div_(total[:, None])
-    if zq is None:
-        return None, weights[0], sums.log()
-    return weights[0], weights[1], sums.log()
+def _log_softmax(*scaled: torch.Tensor) -> list[torch.Tensor]:
+    """Log-probabilities of each [C, v/tp] row block (vocab-parallel: one MAX and one SUM
+    all-reduce for all blocks together; torch's fused log_softmax on a single rank)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return [torch.log_softmax(z, dim=-1) for z in scaled]
+    peaks = _tensor_parallel(torch.stack([z.amax(dim=-1) for z in scaled]), torch.distributed.ReduceOp.MAX)
+    shifted = [z - peak[:, None] for z, peak in zip(scaled, peaks)]
+    log_totals = _tensor_parallel(torch.stack([z.exp().sum(dim=-1) for z in shifted])).log()
+    return [z.sub_(total[:, None]) for z, total in zip(shifted, log_totals)]
 
 
 class _DraftTerms(torch.autograd.Function):
-    """Outputs: the loss sum_r w_r loss_r (differentiable), its unweighted-by-scale value sum_r m_r
-    loss_r, and the overlap sum sum_r f_r sum_x min(p, q). The gradient is computed in the forward
-    and written into ``draft_logits`` (whose values are no longer needed)."""
+    """Outputs: the loss scale * sum_r m_r loss_r (differentiable), sum_r m_r loss_r, and the
+    overlap sum sum_r f_r sum_x min(p, q). The gradient is computed in the forward and written into
+    ``draft_logits`` (whose values are no longer needed)."""
 
     @staticmethod
     def forward(ctx, draft_logits, policy_logits, policy_index, mask, forecast_mask, scale, loss_type, temperature, vocab_size, chunk):
@@ -86,41 +81,45 @@ class _DraftTerms(torch.autograd.Function):
         draft_rows, policy_rows = draft_logits.view(-1, vocab_shard), policy_logits.reshape(-1, vocab_shard)
         padding_column = _first_padding_column(vocab_shard, vocab_size)
         write_gradient = loss_type is not None and ctx.needs_input_grad[0]
-        loss_sum = torch.zeros((), device=draft_rows.device)
-        overlap_sum = torch.zeros((), device=draft_rows.device)
+        loss_sums, overlap_sums = [], []
         for start in range(0, draft_rows.shape[0], chunk):
             end = min(start + chunk, draft_rows.shape[0])
-            zq = _scaled(draft_rows[start:end], temperature, padding_column)
-            zp = _scaled(policy_rows.index_select(0, policy_index[start:end]), temperature, padding_column)
-            q, p, log_sums = _softmax_pairs(zq, zp)
-            smaller = q < p
+            log_q, log_p = _log_softmax(
+                _scaled(draft_rows[start:end], temperature, padding_column),
+                _scaled(policy_rows.index_select(0, policy_index[start:end]), temperature, padding_column),
+            )
+            q, p = log_q.exp(), log_p.exp_()
             local = [torch.minimum(p, q).sum(dim=-1)]
             if loss_type == "soft_cross_entropy":
-                local.append((p * zq).sum(dim=-1))
+                local.append((p * log_q).sum(dim=-1))
             elif loss_type == "total_variation":
+                smaller = q < p
                 local.append((q * smaller).sum(dim=-1))
             totals = _tensor_parallel(torch.stack(local))
-            overlap = totals[0]
-            overlap_sum += (overlap * forecast_mask[start:end]).sum()
+            overlap_sums.append(totals[0] @ forecast_mask[start:end])
             if loss_type is None:
                 continue
+            weights = mask[start:end]
             if loss_type == "soft_cross_entropy":
-                loss = log_sums[0] - totals[1]  # -sum p log q, log q = zq - log sum exp(zq)
+                loss_sums.append(-(totals[1] @ weights))  # -sum_x p log q
                 gradient = q.sub_(p)
             else:
-                loss = 1.0 - overlap
+                loss_sums.append((1.0 - totals[0]) @ weights)
                 gradient = q.mul_(totals[1][:, None] - smaller.float())
-            loss_sum += (loss * mask[start:end]).sum()
             if write_gradient:
-                gradient.mul_((mask[start:end] * (scale / temperature))[:, None])
+                gradient.mul_((weights * (scale / temperature))[:, None])
                 draft_rows[start:end].copy_(gradient)
         if write_gradient:
             ctx.save_for_backward(draft_logits)
+        loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=draft_rows.device)
+        overlap_sum = torch.stack(overlap_sums).sum() if len(overlap_sums) > 1 else overlap_sums[0]
         ctx.mark_non_differentiable(loss_sum, overlap_sum)
         return loss_sum * scale, loss_sum, overlap_sum
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_value, _grad_overlap):
+        if not ctx.saved_tensors:
+            return (None,) * 10
         (gradient,) = ctx.saved_tensors
         return (gradient.mul_(grad_loss),) + (None,) * 9
 
@@ -164,11 +163,9 @@ def entropy_sum(
     rows, weights = policy_logits.reshape(-1, vocab_shard), mask.reshape(-1).float()
     padding_column = _first_padding_column(vocab_shard, vocab_size)
     chunk = chunk_rows(vocab_shard, chunk_elements)
-    total = torch.zeros((), device=rows.device)
+    sums = []
     for start in range(0, rows.shape[0], chunk):
-        zp = _scaled(rows[start : start + chunk], temperature, padding_column)
-        _, p, log_sums = _softmax_pairs(None, zp)
-        # H = log sum exp(z) - sum p z, z the shifted logits.
-        entropy = log_sums[0] - _tensor_parallel((p * zp).sum(dim=-1))
-        total += (entropy * weights[start : start + chunk]).sum()
-    return total
+        (log_p,) = _log_softmax(_scaled(rows[start : start + chunk], temperature, padding_column))
+        entropy = -_tensor_parallel((log_p.exp() * log_p).sum(dim=-1))
+        sums.append(entropy @ weights[start : start + chunk])
+    return torch.stack(sums).sum() if len(sums) > 1 else sums[0]

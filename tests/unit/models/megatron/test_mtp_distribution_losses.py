@@ -73,8 +73,15 @@ def reference_gradients(policy, batch, loss_type, scaling_factor, temperature) -
         dict(megatron_cfg__mtp_num_layers=2, generation__temperature=0.7),
         dict(megatron_cfg__mtp_num_layers=2, megatron_cfg__mtp_detach_heads=True),
         dict(megatron_cfg__mtp_num_layers=2, megatron_cfg__mtp_use_repeated_layer=True),
+        # An MoE trunk and MoE MTP layer (load balancing off: the gradient is the MTP loss's alone).
+        dict(
+            megatron_cfg__mtp_num_layers=1,
+            megatron_cfg__num_moe_experts=4,
+            megatron_cfg__moe_router_load_balancing_type="none",
+            megatron_cfg__moe_aux_loss_coeff=0.0,
+        ),
     ],
-    ids=["1_layer", "2_layers_t0.7", "detached", "repeated"],
+    ids=["1_layer", "2_layers_t0.7", "detached", "repeated", "moe"],
 )
 def test_gradient_equals_reference_written_per_position(loss_type, variant):
     scaling_factor = 0.3
@@ -96,7 +103,7 @@ def test_gradient_equals_reference_written_per_position(loss_type, variant):
         torch.testing.assert_close(step_grads[name], reference, rtol=2e-4, atol=1e-7, msg=name)
         compared += reference.abs().max() > 0
     assert compared >= len(mtp_parameter_names(policy)) // 2
-    trunk = step_grads["decoder.layers.0.mlp.linear_fc1.weight"]
+    trunk = step_grads["decoder.layers.0.self_attention.linear_qkv.weight"]
     reaches_trunk = bool(trunk.abs().max() > 0)
     assert reaches_trunk != cfg.megatron_cfg.mtp_detach_heads
     assert metrics["mtp/grad_norm"] > 0
