@@ -6,8 +6,11 @@ Rejection sampling accepts a draft x drawn from the head's q with probability mi
 so a draft is accepted with probability sum_x min(p(x), q(x)) (p: the policy). The training step
 has both distributions for every target token t of the MTP loss: depth k (0-based) predicts t from
 position t - 2 - k, the policy from position t - 1. The forecast averages the overlap over the
-masked targets, at the sampling temperature (padding ids excluded, as in sampling), and sums like
-the other step metrics (over microbatches and data-parallel ranks).
+targets a rollout can draft, at the sampling temperature (padding ids excluded, as in sampling),
+and sums like the other step metrics (over microbatches and data-parallel ranks). A rollout
+drafts depth k's token t after verifying token t - 1 - k, which is a response token: the
+policy samples the first k + 1 response tokens itself (at prefill, then in verification), so the
+MTP loss's targets among them are trained but never drafted, and the forecast leaves them out.
 
 The MTP logits are megatron's own: megatron hands each depth's logits to its MTP loss inside the
 forward (``compat.mtp_loss_callable``), where :class:`DraftLogits` takes them. Targets and
@@ -15,8 +18,8 @@ positions are aligned with megatron's ``roll_tensor``, as its MTP loss aligns th
 sequences are handled as the loss handles them.
 
 - ``cross_entropy`` (megatron's loss): megatron's cross entropy overwrites the logits, so each
-  depth's logits at its targets are copied first ([targets, vocab/tp] in the model's dtype, the
-  forecast's one copy), and megatron's loss is returned unchanged.
+  depth's logits at its draftable targets are copied first ([targets, vocab/tp] in the model's
+  dtype, the forecast's one copy), and megatron's loss is returned unchanged.
 - the losses on the policy's distribution: megatron gets a zero loss; the depth's logits are kept
   with their graph, and the loss and the forecast are computed in one pass once the policy's logits
   exist (``draft_distributions.draft_terms``, no copy), then injected into the backward pass
@@ -40,11 +43,14 @@ class MTPTargets:
     """Per MTP depth k (0-based), over the rows of megatron's depth-k logits ([s, b] flattened,
     position-major): ``policy_index`` [s * b], the row of the policy's [b, s] logits (flattened)
     that predicts the same token; ``mask`` [s * b], megatron's loss mask rolled to the depth (the
-    target's weight, 0 where there is none); ``num_tokens``, its sum N_k; and ``first_num_tokens``,
-    N_0, the mask after megatron's first roll (megatron weighs depth k by N_0 / N_k)."""
+    target's weight, 0 where there is none); ``draftable`` [s * b], the targets a rollout can
+    draft (the token verified before the draft is a response token); ``num_tokens``, the mask's
+    sum N_k; and ``first_num_tokens``, N_0, the mask after megatron's first roll (megatron weighs
+    depth k by N_0 / N_k)."""
 
     policy_index: list[torch.Tensor]
     mask: list[torch.Tensor]
+    draftable: list[torch.Tensor]
     num_tokens: list[torch.Tensor]
     first_num_tokens: torch.Tensor
 
@@ -62,12 +68,17 @@ def mtp_targets(mtp_loss_mask: torch.Tensor | None, packed_seq_params, num_layer
     roll = functools.partial(roll_tensor, shifts=-1, dims=-1, packed_seq_params=packed_seq_params)
     policy_position = torch.arange(mtp_loss_mask.numel(), device=mtp_loss_mask.device).view(mtp_loss_mask.shape)
     target_mask, first_num_tokens = roll(mtp_loss_mask)
-    targets = MTPTargets([], [], [], first_num_tokens)
+    # Depth k's draft position i predicts token i + 2 + k after the rollout verified token i + 1:
+    # the mask after the first roll marks where that token is a response token.
+    verified_is_response = (target_mask > 0).t().reshape(-1)
+    targets = MTPTargets([], [], [], [], first_num_tokens)
     for _ in range(num_layers):
         policy_position = roll(policy_position)[0]
         target_mask, num_tokens = roll(target_mask)
+        mask = target_mask.t().reshape(-1)
         targets.policy_index.append(policy_position.t().reshape(-1))
-        targets.mask.append(target_mask.t().reshape(-1))
+        targets.mask.append(mask)
+        targets.draftable.append((mask > 0) & verified_is_response)
         targets.num_tokens.append(num_tokens)
     return targets
 
@@ -78,8 +89,9 @@ class DraftLogits:
 
     ``keep_graph`` (a loss on the policy's distribution): ``logits[k]`` is depth k's [s, b, v/tp]
     logits themselves, with their graph, and megatron gets a zero loss. Otherwise (megatron's cross
-    entropy): ``logits[k]`` is a copy of the rows at the depth's targets ([M_k, v/tp]), taken before
-    megatron's loss, which is returned unchanged; ``rows[k]`` marks those rows."""
+    entropy): ``logits[k]`` is a copy of the rows at the depth's draftable targets ([M_k, v/tp],
+    the forecast's), taken before megatron's loss, which is returned unchanged; ``rows[k]`` marks
+    those rows."""
 
     def __init__(self, targets: MTPTargets, keep_graph: bool):
         self.targets = targets
@@ -94,7 +106,7 @@ class DraftLogits:
         if self.keep_graph:
             self.logits.append(logits)
             return torch.zeros(labels.shape, dtype=logits.dtype, device=logits.device)
-        rows = self.targets.mask[depth] > 0
+        rows = self.targets.draftable[depth]
         self.rows.append(rows)
         self.logits.append(logits.detach().reshape(-1, logits.shape[-1])[rows])
         return megatron_loss(labels, logits)

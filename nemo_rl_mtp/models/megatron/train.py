@@ -398,11 +398,12 @@ def mtp_draft_terms(
             continue
         mask, num_tokens = targets.mask[depth], targets.num_tokens[depth]
         scale = scaling_factor / num_layers * targets.first_num_tokens / num_tokens.clamp(min=1)
+        draftable = targets.draftable[depth]
         loss, value, overlap = draft_terms(
-            depth_logits, logits, targets.policy_index[depth], mask, mask > 0, loss_type, scale, temperature, vocab_size
+            depth_logits, logits, targets.policy_index[depth], mask, draftable, loss_type, scale, temperature, vocab_size
         )
         total_loss = loss if total_loss is None else total_loss + loss
-        sums.update(forecast_sums(depth, overlap, (mask > 0).sum()))
+        sums.update(forecast_sums(depth, overlap, draftable.sum()))
         _log_mtp_loss(value * (num_tokens > 0) / num_tokens.clamp(min=1), depth, num_layers)
     if total_loss is not None:
         logits = MTPLossAutoScaler.apply(logits, total_loss)
