@@ -21,12 +21,12 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf, read_write
 
-from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn, loss_sample_weights
-from nemo_rl_mtp.data.demonstrations import task_demonstrations
+from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn, k3_kl, loss_sample_weights
+from nemo_rl_mtp.data.demonstrations import mixed_task_demonstrations, warmup_tasks
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer
 from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment
 from nemo_rl_mtp.models.generation.speculation import check_speculation_supported, speculation_metrics
-from nemo_rl_mtp.utils.checkpoint import CheckpointDirectory
+from nemo_rl_mtp.utils.checkpoint import PARTIAL_SUFFIX, CheckpointDirectory
 from nemo_rl_mtp.utils.config import EXEMPLAR_CONFIG, ConfigError
 from nemo_rl_mtp.utils.config_schema import GRPOConfig, LoggerConfig, MasterConfig
 from nemo_rl_mtp.utils.logger import Logger, read_metrics
@@ -165,6 +165,8 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
         if resume_from is not None:
             policy.load_checkpoint(resume_from)
         warmup = warm_up(cfg, policy, env, tokenizer, prompt_generator) if resume_from is None else {}
+        if cfg.grpo.log_kl_to_start_of_rl:
+            keep_start_of_rl_policy(cfg, policy, checkpoints, resumed=resume_from is not None)
         log = Logger(cfg.logger, run_dir, cfg, cfg.grpo.max_num_steps, trainer_state["steps_done"], trainer_state["wandb_run_id"])
         for step in range(trainer_state["steps_done"], cfg.grpo.max_num_steps):
             metrics = grpo_step(cfg, step, policy, env, tokenizer, loss_fn, prompt_generator)
@@ -182,6 +184,28 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
 
 
 TRAINER_STATE = "trainer_state.pt"
+START_OF_RL = "start_of_rl"
+
+
+def keep_start_of_rl_policy(cfg: MasterConfig, policy, checkpoints: CheckpointDirectory, resumed: bool) -> None:
+    """The policy GRPO starts from, for ``train/kl_to_start``: kept by the workers, and saved
+    once next to the checkpoints (written as ``.partial``, renamed when complete), from where a
+    resumed run reads it back."""
+    directory = checkpoints.root / START_OF_RL
+    if resumed:
+        if not directory.is_dir():
+            raise ConfigError(f"grpo.log_kl_to_start_of_rl=true: {directory} is missing, so the policy this run started from is unknown")
+        policy.load_start_of_rl_weights(directory)
+        return
+    if not cfg.checkpointing.enabled:
+        policy.keep_start_of_rl_weights(None)
+        return
+    partial = directory.with_name(directory.name + PARTIAL_SUFFIX)
+    for stale in (partial, directory):
+        if stale.exists():
+            shutil.rmtree(stale)
+    policy.keep_start_of_rl_weights(partial)
+    os.rename(partial, directory)
 
 
 def checkpoint_directory(cfg: MasterConfig, run_dir: Path) -> CheckpointDirectory:
@@ -272,11 +296,14 @@ def _leaves(config) -> dict:
 
 def warm_up(cfg: MasterConfig, policy, env: DigitTaskEnvironment, tokenizer: DigitTokenizer, prompt_generator) -> dict[str, float]:
     """``grpo.warmup_imitation_steps`` imitation steps, each on the correct answers to one global
-    batch of training prompts; the last step's metrics as ``warmup/...``."""
+    batch of training prompts (a ``grpo.warmup_distractor_fraction`` of them answering
+    ``grpo.warmup_distractor_task`` instead); the last step's metrics as ``warmup/...``."""
     metrics, start = {}, time.perf_counter()
-    for _ in range(cfg.grpo.warmup_imitation_steps):
+    grpo = cfg.grpo
+    for _ in range(grpo.warmup_imitation_steps):
         digits = env.sample_prompts(cfg.policy.train_global_batch_size, prompt_generator)
-        metrics = policy.imitate(task_demonstrations(env.task, digits, tokenizer), cfg.grpo.warmup_lr)
+        tasks = warmup_tasks(env.task, grpo.warmup_distractor_task, grpo.warmup_distractor_fraction, len(digits), prompt_generator)
+        metrics = policy.imitate(mixed_task_demonstrations(tasks, digits, tokenizer), grpo.warmup_lr)
     if not metrics:
         return {}
     acceptance = metrics.get("mtp_1_acceptance_rate")
@@ -326,6 +353,12 @@ def save_checkpoint(checkpoints: CheckpointDirectory, steps_done: int, policy, p
     return path
 
 
+def kl_on_tokens(logprobs: torch.Tensor, other_logprobs: torch.Tensor, token_mask: torch.Tensor) -> float:
+    """KL(policy || other) estimated on tokens the policy sampled: the mean over the masked tokens
+    of Schulman's k3, exp(r) - r - 1 with r = other - policy logprob (unbiased, never negative)."""
+    return float((k3_kl(logprobs, other_logprobs) * token_mask).sum() / token_mask.sum().clamp(min=1))
+
+
 def grpo_step(cfg: MasterConfig, step: int, policy, env, tokenizer, loss_fn, prompt_generator) -> dict[str, float]:
     grpo = cfg.grpo
     group_size = grpo.num_generations_per_prompt
@@ -346,6 +379,9 @@ def grpo_step(cfg: MasterConfig, step: int, policy, env, tokenizer, loss_fn, pro
     batch["prev_logprobs"] = policy.get_logprobs(batch)
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         batch["reference_logprobs"] = policy.get_reference_logprobs(batch)
+    kl_to_start = {}
+    if grpo.log_kl_to_start_of_rl:
+        kl_to_start["train/kl_to_start"] = kl_on_tokens(batch["prev_logprobs"], policy.get_start_of_rl_logprobs(batch), batch["token_mask"])
     timings["logprobs_s"] = time.perf_counter() - logprobs_start
 
     train_start = time.perf_counter()
@@ -372,6 +408,7 @@ def grpo_step(cfg: MasterConfig, step: int, policy, env, tokenizer, loss_fn, pro
     for key in train_metrics[0]:
         metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
     metrics["train/optimizer_steps"] = float(len(train_metrics))
+    metrics.update(kl_to_start)
     metrics.update(speculation_metrics(generation))
     metrics.update({f"timing/{key}": value for key, value in timings.items()})
     return metrics

@@ -29,6 +29,21 @@ def demonstration_batch(prompts: list[list[int]], answers: list[list[int]], pad_
 
 def task_demonstrations(task: str, digit_prompts: list[list[int]], tokenizer: DigitTokenizer) -> dict[str, torch.Tensor]:
     """``demonstration_batch`` of a digit task: its prompts and correct answers."""
+    return mixed_task_demonstrations([task] * len(digit_prompts), digit_prompts, tokenizer)
+
+
+def mixed_task_demonstrations(tasks: list[str], digit_prompts: list[list[int]], tokenizer: DigitTokenizer) -> dict[str, torch.Tensor]:
+    """``demonstration_batch`` of prompts, each answered as its task in ``tasks`` answers it."""
     prompts = [tokenizer.encode_prompt(digits) for digits in digit_prompts]
-    answers = [tokenizer.encode_answer(expected_answer(task, digits)) for digits in digit_prompts]
+    answers = [tokenizer.encode_answer(expected_answer(task, digits)) for task, digits in zip(tasks, digit_prompts)]
     return demonstration_batch(prompts, answers, tokenizer.pad_id)
+
+
+def warmup_tasks(task: str, distractor_task: str | None, distractor_fraction: float, count: int, generator: torch.Generator) -> list[str]:
+    """The task each of ``count`` warm-start demonstrations answers: ``distractor_task`` with
+    probability ``distractor_fraction`` (drawn from ``generator``), else ``task``. Draws nothing
+    without a distractor, so such runs keep their random streams."""
+    if distractor_task is None or distractor_fraction == 0.0:
+        return [task] * count
+    draws = torch.rand(count, generator=generator)
+    return [distractor_task if draw < distractor_fraction else task for draw in draws.tolist()]

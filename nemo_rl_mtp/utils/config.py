@@ -34,6 +34,7 @@ _CHOICES = {
     "policy.mtp_loss_mask_policy": {"all_responses", "positive_advantage"},
     "policy.generation.draft_context": {"sequence", "single_position"},
     "env.task": {"reverse", "sort", "count_up"},
+    "grpo.warmup_distractor_task": {None, "reverse", "sort", "count_up"},
     "policy.megatron_cfg.mtp_loss_type": {"cross_entropy", "soft_cross_entropy", "total_variation"},
     "logger.wandb.mode": {"auto", "online", "offline"},
     "cluster.gpus_per_worker": {0, 1},
@@ -48,6 +49,7 @@ _RANGES = {
     "grpo.max_num_steps": (1, True, None, False),
     "grpo.warmup_imitation_steps": (0, True, None, False),
     "grpo.warmup_lr": (0.0, False, None, False),
+    "grpo.warmup_distractor_fraction": (0.0, True, 1.0, True),
     "grpo.val_period": (1, True, None, False),
     "grpo.val_num_prompts": (1, True, None, False),
     "loss_fn.ratio_clip_min": (0.0, True, 1.0, False),
@@ -232,6 +234,18 @@ def _validate_grpo(cfg: DictConfig) -> None:
         "grpo.num_prompts_per_step",
         grpo.num_prompts_per_step,
         f"must split evenly over the {data_parallel} data-parallel ranks that generate",
+    )
+    _require(
+        (grpo.warmup_distractor_task is None) == (grpo.warmup_distractor_fraction == 0.0),
+        "grpo.warmup_distractor_fraction",
+        grpo.warmup_distractor_fraction,
+        f"must be > 0 exactly when grpo.warmup_distractor_task is set (it is {grpo.warmup_distractor_task!r})",
+    )
+    _require(
+        grpo.warmup_distractor_task != env.task,
+        "grpo.warmup_distractor_task",
+        grpo.warmup_distractor_task,
+        f"must differ from env.task={env.task!r}",
     )
     _require(env.min_digits <= env.max_digits, "env.min_digits", env.min_digits, f"must be <= env.max_digits={env.max_digits}")
     prompt_space = sum(10**length for length in range(env.min_digits, env.max_digits + 1))

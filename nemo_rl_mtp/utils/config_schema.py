@@ -103,6 +103,9 @@ class GRPOConfig:
     seed: int
     warmup_imitation_steps: int
     warmup_lr: float
+    warmup_distractor_task: Optional[str]
+    warmup_distractor_fraction: float
+    log_kl_to_start_of_rl: bool
     val_period: int
     val_num_prompts: int
 

@@ -45,6 +45,25 @@ def load_policy(policy: MegatronPolicyModel, directory: Path) -> None:
         _set_rng_states(torch.load(rng_file, weights_only=False))
 
 
+def save_model_weights(policy: MegatronPolicyModel, directory: Path) -> None:
+    """The model's weights alone (MTP block included) as ``dist_checkpointing`` shards in ``directory``."""
+    from megatron.core import dist_checkpointing
+
+    directory.mkdir(parents=True, exist_ok=True)
+    _collect_write_results_in_process()
+    with cpu_runtime.device_scope():
+        dist_checkpointing.save({"model": policy.model.module.sharded_state_dict()}, str(directory))
+
+
+def load_model_weights(policy: MegatronPolicyModel, directory: Path) -> None:
+    """What :func:`save_model_weights` wrote, into the model (at this run's parallel layout)."""
+    from megatron.core import dist_checkpointing
+
+    with cpu_runtime.device_scope():
+        state = dist_checkpointing.load({"model": policy.model.module.sharded_state_dict()}, str(directory))
+        policy.model.module.load_state_dict(state["model"])
+
+
 def _sharded_state_dict(policy: MegatronPolicyModel, is_loading: bool = False) -> dict:
     model_state = policy.model.module.sharded_state_dict()
     return {"model": model_state, "optimizer": policy.optimizer.sharded_state_dict(model_state, is_loading=is_loading)}

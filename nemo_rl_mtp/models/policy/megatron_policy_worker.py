@@ -84,11 +84,41 @@ class MegatronPolicyWorker:
 
     def get_reference_logprobs(self, batch: dict):
         """Logprobs under the initial weights (the weights being trained are restored after)."""
+        return self._logprobs_under(self.reference_weights, batch)
+
+    def keep_start_of_rl_weights(self, directory: str | None) -> None:
+        """Keep the weights GRPO starts from (after the warm start) on the host, for
+        ``get_start_of_rl_logprobs``; also save them into ``directory`` (collective), so a resumed
+        run measures against the same policy."""
+        self.start_of_rl_weights = self._host_copy_of_weights()
+        if directory is not None:
+            from pathlib import Path
+
+            from nemo_rl_mtp.models.megatron.checkpoint import save_model_weights
+
+            save_model_weights(self.policy, Path(directory))
+
+    def load_start_of_rl_weights(self, directory: str) -> None:
+        """The weights :meth:`keep_start_of_rl_weights` saved, at this run's parallel layout."""
+        from pathlib import Path
+
+        from nemo_rl_mtp.models.megatron.checkpoint import load_model_weights
+
+        current = self._host_copy_of_weights()
+        load_model_weights(self.policy, Path(directory))
+        self.start_of_rl_weights = self._host_copy_of_weights()
+        self.policy.model.module.load_state_dict(current)
+
+    def get_start_of_rl_logprobs(self, batch: dict):
+        """Logprobs under the weights GRPO started from (the weights being trained are restored after)."""
+        return self._logprobs_under(self.start_of_rl_weights, batch)
+
+    def _logprobs_under(self, weights: dict, batch: dict):
         from nemo_rl_mtp.models.megatron.inference import compute_logprobs
 
         current = self._host_copy_of_weights()
         module = self.policy.model.module
-        module.load_state_dict(self.reference_weights)
+        module.load_state_dict(weights)
         try:
             return compute_logprobs(self.policy, batch, self.policy_cfg)
         finally:

@@ -65,6 +65,16 @@ def test_recipe_inherits_through_defaults(tmp_path):
         ("loss_fn.reference_policy_kl_penalty=-0.1", "loss_fn.reference_policy_kl_penalty"),
         ("cluster.workers_per_node=0", "cluster.workers_per_node=0"),
         ("checkpointing.save_period=0", "checkpointing.save_period=0"),
+        ("policy.megatron_cfg.mtp_loss_type=kl", "policy.megatron_cfg.mtp_loss_type='kl' is not one of"),
+        (
+            "policy.megatron_cfg.mtp_loss_type=total_variation policy.megatron_cfg.context_parallel_size=2",
+            "policy.megatron_cfg.mtp_loss_type='total_variation': needs context_parallel_size=1",
+        ),
+        ("policy.megatron_cfg.mtp_num_layers=0 policy.mtp_frozen_during_rl=true", "policy.mtp_frozen_during_rl=True: needs MTP heads"),
+        ("grpo.warmup_distractor_fraction=0.5", "grpo.warmup_distractor_fraction=0.5: must be > 0 exactly when"),
+        ("grpo.warmup_distractor_task=sort", "grpo.warmup_distractor_fraction=0.0: must be > 0 exactly when"),
+        ("grpo.warmup_distractor_task=reverse grpo.warmup_distractor_fraction=0.5", "grpo.warmup_distractor_task='reverse': must differ"),
+        ("grpo.warmup_distractor_task=sort grpo.warmup_distractor_fraction=1.5", "grpo.warmup_distractor_fraction=1.5: must be in [0.0, 1.0]"),
         # Measured: layers 10-20 logged loss 0.0 and acceptance 0% at every step, without a word.
         ("policy.megatron_cfg.mtp_num_layers=20", "MTP layers 10-20 would never get a target; use at most 9"),
     ],
