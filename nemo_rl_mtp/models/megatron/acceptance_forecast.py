@@ -32,7 +32,6 @@ import dataclasses
 import functools
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import roll_tensor
 
 _SUM, _COUNT = "mtp/mtp_{}_expected_acceptance_sum", "mtp/mtp_{}_expected_acceptance_count"
@@ -43,27 +42,37 @@ class MTPTargets:
     """Per MTP depth k (0-based), over the rows of megatron's depth-k logits ([s, b] flattened,
     position-major): ``policy_index`` [s * b], the row of the policy's [b, s] logits (flattened)
     that predicts the same token; ``mask`` [s * b], megatron's loss mask rolled to the depth (the
-    target's weight, 0 where there is none); ``draftable`` [s * b], the targets a rollout can
-    draft (the token verified before the draft is a response token); ``num_tokens``, the mask's
-    sum N_k; and ``first_num_tokens``, N_0, the mask after megatron's first roll (megatron weighs
-    depth k by N_0 / N_k)."""
+    target's weight, 0 where there is none); ``draftable`` [s * b], 1 at the targets a rollout can
+    draft (the token verified before the draft is a response token), and ``draft_rows`` [M_k]
+    those rows' indices, ``draft_policy_index`` [M_k] their policy rows; ``num_tokens``, the
+    mask's sum N_k; and ``first_num_tokens``, N_0, the mask after megatron's first roll (megatron
+    weighs depth k by N_0 / N_k). Built on the host with the microbatch (``data.py``), so the step
+    reads no device value to pick rows."""
 
     policy_index: list[torch.Tensor]
     mask: list[torch.Tensor]
     draftable: list[torch.Tensor]
+    draft_rows: list[torch.Tensor]
+    draft_policy_index: list[torch.Tensor]
     num_tokens: list[torch.Tensor]
     first_num_tokens: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.mask)
 
+    def to(self, device: torch.device) -> "MTPTargets":
+        def move(value):
+            return [tensor.to(device, non_blocking=True) for tensor in value] if isinstance(value, list) else value.to(device, non_blocking=True)
+
+        return MTPTargets(**{field.name: move(getattr(self, field.name)) for field in dataclasses.fields(self)})
+
 
 def mtp_targets(mtp_loss_mask: torch.Tensor | None, packed_seq_params, num_layers: int) -> MTPTargets | None:
-    """Where each depth's targets sit, from the token-aligned MTP loss mask [b, s] megatron gets:
-    depth k predicts the token at t from position t - 2 - k, the policy from t - 1. None without
-    MTP, and under context parallelism (an aligned position may sit on another rank). No host
-    reads: every row is kept, weighted by its mask."""
-    if mtp_loss_mask is None or not num_layers or parallel_state.get_context_parallel_world_size() > 1:
+    """Where each depth's targets sit, from the token-aligned MTP loss mask [b, s] megatron gets
+    (``packed_seq_params``: a packed microbatch's): depth k predicts the token at t from position
+    t - 2 - k, the policy from t - 1. None without MTP. Not for context parallelism (an aligned
+    position may sit on another rank)."""
+    if mtp_loss_mask is None or not num_layers:
         return None
     roll = functools.partial(roll_tensor, shifts=-1, dims=-1, packed_seq_params=packed_seq_params)
     policy_position = torch.arange(mtp_loss_mask.numel(), device=mtp_loss_mask.device).view(mtp_loss_mask.shape)
@@ -71,14 +80,18 @@ def mtp_targets(mtp_loss_mask: torch.Tensor | None, packed_seq_params, num_layer
     # Depth k's draft position i predicts token i + 2 + k after the rollout verified token i + 1:
     # the mask after the first roll marks where that token is a response token.
     verified_is_response = (target_mask > 0).t().reshape(-1)
-    targets = MTPTargets([], [], [], [], first_num_tokens)
+    targets = MTPTargets([], [], [], [], [], [], first_num_tokens)
     for _ in range(num_layers):
         policy_position = roll(policy_position)[0]
         target_mask, num_tokens = roll(target_mask)
-        mask = target_mask.t().reshape(-1)
-        targets.policy_index.append(policy_position.t().reshape(-1))
+        mask, policy_index = target_mask.t().reshape(-1), policy_position.t().reshape(-1)
+        draftable = (mask > 0) & verified_is_response
+        draft_rows = draftable.nonzero().squeeze(1)
+        targets.policy_index.append(policy_index)
         targets.mask.append(mask)
-        targets.draftable.append((mask > 0) & verified_is_response)
+        targets.draftable.append(draftable.float())
+        targets.draft_rows.append(draft_rows)
+        targets.draft_policy_index.append(policy_index[draft_rows])
         targets.num_tokens.append(num_tokens)
     return targets
 
@@ -90,14 +103,12 @@ class DraftLogits:
     ``keep_graph`` (a loss on the policy's distribution): ``logits[k]`` is depth k's [s, b, v/tp]
     logits themselves, with their graph, and megatron gets a zero loss. Otherwise (megatron's cross
     entropy): ``logits[k]`` is a copy of the rows at the depth's draftable targets ([M_k, v/tp],
-    the forecast's), taken before megatron's loss, which is returned unchanged; ``rows[k]`` marks
-    those rows."""
+    the forecast's), taken before megatron's loss, which is returned unchanged."""
 
     def __init__(self, targets: MTPTargets, keep_graph: bool):
         self.targets = targets
         self.keep_graph = keep_graph
         self.logits: list[torch.Tensor] = []
-        self.rows: list[torch.Tensor] = []
 
     def __call__(self, labels: torch.Tensor, logits: torch.Tensor, megatron_loss):
         depth = len(self.logits)
@@ -106,9 +117,8 @@ class DraftLogits:
         if self.keep_graph:
             self.logits.append(logits)
             return torch.zeros(labels.shape, dtype=logits.dtype, device=logits.device)
-        rows = self.targets.draftable[depth]
-        self.rows.append(rows)
-        self.logits.append(logits.detach().reshape(-1, logits.shape[-1])[rows])
+        rows = self.targets.draft_rows[depth]
+        self.logits.append(logits.detach().reshape(-1, logits.shape[-1]).index_select(0, rows))
         return megatron_loss(labels, logits)
 
 
@@ -122,6 +132,6 @@ def with_expected_acceptance(metrics: dict[str, float]) -> dict[str, float]:
     return metrics
 
 
-def forecast_sums(depth: int, overlap_sum: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+def forecast_sums(depth: int, overlap_sum: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
     """One microbatch's share of depth ``depth``'s (0-based) forecast."""
-    return {_SUM.format(depth + 1): overlap_sum, _COUNT.format(depth + 1): count.float()}
+    return {_SUM.format(depth + 1): overlap_sum, _COUNT.format(depth + 1): torch.full((), float(count), device=overlap_sum.device)}

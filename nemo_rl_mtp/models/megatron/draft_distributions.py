@@ -51,9 +51,14 @@ def _tensor_parallel(values: torch.Tensor, op=torch.distributed.ReduceOp.SUM) ->
     return values
 
 
-def _scaled(rows: torch.Tensor, temperature: float, padding_column: int | None) -> torch.Tensor:
-    """rows / T in float, padding ids excluded; a new tensor (never a view of ``rows``)."""
-    scaled = rows.float() / temperature if temperature != 1.0 or padding_column is not None else rows.float().clone()
+def _scaled(rows: torch.Tensor, temperature: float, padding_column: int | None, owned: bool = False) -> torch.Tensor:
+    """rows / T in float, padding ids excluded; a new tensor unless ``owned`` (rows the caller
+    made for this, which may then be changed in place)."""
+    scaled = rows.float()
+    if scaled is rows and not owned:  # float32 rows: .float() is the tensor itself
+        scaled = scaled / temperature if temperature != 1.0 else scaled.clone()
+    elif temperature != 1.0:
+        scaled.div_(temperature)
     if padding_column is not None:
         scaled[:, padding_column:] = _EXCLUDED
     return scaled
@@ -70,6 +75,19 @@ def _log_softmax(*scaled: torch.Tensor) -> list[torch.Tensor]:
     return [z.sub_(total[:, None]) for z, total in zip(shifted, log_totals)]
 
 
+def _softmax(*scaled: torch.Tensor) -> list[torch.Tensor]:
+    """Probabilities of each [C, v/tp] row block (as ``_log_softmax``)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return [torch.softmax(z, dim=-1) for z in scaled]
+    return [z.exp_() for z in _log_softmax(*scaled)]
+
+
+def _total(sums: list[torch.Tensor], device) -> torch.Tensor:
+    if not sums:
+        return torch.zeros((), device=device)
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+
+
 class _DraftTerms(torch.autograd.Function):
     """Outputs: the loss scale * sum_r m_r loss_r (differentiable), sum_r m_r loss_r, and the
     overlap sum sum_r f_r sum_x min(p, q). The gradient is computed in the forward and written into
@@ -84,11 +102,13 @@ class _DraftTerms(torch.autograd.Function):
         loss_sums, overlap_sums = [], []
         for start in range(0, draft_rows.shape[0], chunk):
             end = min(start + chunk, draft_rows.shape[0])
-            log_q, log_p = _log_softmax(
-                _scaled(draft_rows[start:end], temperature, padding_column),
-                _scaled(policy_rows.index_select(0, policy_index[start:end]), temperature, padding_column),
-            )
-            q, p = log_q.exp(), log_p.exp_()
+            zq = _scaled(draft_rows[start:end], temperature, padding_column)
+            zp = _scaled(policy_rows.index_select(0, policy_index[start:end]), temperature, padding_column, owned=True)
+            if loss_type == "soft_cross_entropy":  # needs log q
+                log_q, log_p = _log_softmax(zq, zp)
+                q, p = log_q.exp(), log_p.exp_()
+            else:
+                q, p = _softmax(zq, zp)
             local = [torch.minimum(p, q).sum(dim=-1)]
             if loss_type == "soft_cross_entropy":
                 local.append((p * log_q).sum(dim=-1))
@@ -96,7 +116,7 @@ class _DraftTerms(torch.autograd.Function):
                 smaller = q < p
                 local.append((q * smaller).sum(dim=-1))
             totals = _tensor_parallel(torch.stack(local))
-            overlap_sums.append(totals[0] @ forecast_mask[start:end])
+            overlap_sums.append(totals[0].sum() if forecast_mask is None else totals[0] @ forecast_mask[start:end])
             if loss_type is None:
                 continue
             weights = mask[start:end]
@@ -111,8 +131,7 @@ class _DraftTerms(torch.autograd.Function):
                 draft_rows[start:end].copy_(gradient)
         if write_gradient:
             ctx.save_for_backward(draft_logits)
-        loss_sum = torch.stack(loss_sums).sum() if loss_sums else torch.zeros((), device=draft_rows.device)
-        overlap_sum = torch.stack(overlap_sums).sum() if len(overlap_sums) > 1 else overlap_sums[0]
+        loss_sum, overlap_sum = (_total(sums, draft_rows.device) for sums in (loss_sums, overlap_sums))
         ctx.mark_non_differentiable(loss_sum, overlap_sum)
         return loss_sum * scale, loss_sum, overlap_sum
 
@@ -128,8 +147,8 @@ def draft_terms(
     draft_logits: torch.Tensor,
     policy_logits: torch.Tensor,
     policy_index: torch.Tensor,
-    mask: torch.Tensor,
-    forecast_mask: torch.Tensor,
+    mask: torch.Tensor | None,
+    forecast_mask: torch.Tensor | None,
     loss_type: str | None,
     scale: float | torch.Tensor,
     temperature: float,
@@ -141,16 +160,42 @@ def draft_terms(
     draft_logits: the depth's logits, any shape [..., v/tp] (R rows); with a loss type and a graph,
     its storage is overwritten with the gradient. policy_logits: [..., v/tp], read only (detached).
     policy_index [R]: for each draft row, the policy row predicting the same token. mask [R]: loss
-    weight per row (0: no target). forecast_mask [R]: 1 where the overlap counts.
+    weights per row (0: no target; None: no loss). forecast_mask [R]: 1 where the overlap counts
+    (None: every row).
     Returns (scale * sum_r mask_r loss_r, differentiable w.r.t. draft_logits; sum_r mask_r loss_r;
     sum_r forecast_mask_r sum_x min(p, q)); the last two are not differentiable."""
     if loss_type is not None and loss_type not in DISTRIBUTION_LOSSES:
         raise ValueError(f"unknown MTP distribution loss {loss_type!r}; one of {DISTRIBUTION_LOSSES}")
     chunk = chunk_rows(draft_logits.shape[-1], chunk_elements)
     return _DraftTerms.apply(
-        draft_logits, policy_logits.detach(), policy_index, mask.float(), forecast_mask.float(), scale, loss_type,
-        temperature, vocab_size, chunk,
-    )  # fmt: skip
+        draft_logits, policy_logits.detach(), policy_index, mask, forecast_mask, scale, loss_type, temperature, vocab_size, chunk
+    )
+
+
+@torch.no_grad()
+def overlap_sum(
+    draft_rows: torch.Tensor,
+    policy_logits: torch.Tensor,
+    policy_index: torch.Tensor,
+    temperature: float,
+    vocab_size: int,
+    chunk_elements: int | None = None,
+) -> torch.Tensor:
+    """sum_r sum_x min(p_r, q_r) over the rows of ``draft_rows`` [R, v/tp], which the caller owns
+    (they are changed in place): the forecast beside megatron's cross entropy, on its copies of
+    the heads' logits. ``policy_index`` [R] as in :func:`draft_terms`."""
+    vocab_shard = draft_rows.shape[-1]
+    policy_rows = policy_logits.reshape(-1, vocab_shard)
+    padding_column = _first_padding_column(vocab_shard, vocab_size)
+    chunk = chunk_rows(vocab_shard, chunk_elements)
+    sums = []
+    for start in range(0, draft_rows.shape[0], chunk):
+        q, p = _softmax(
+            _scaled(draft_rows[start : start + chunk], temperature, padding_column, owned=True),
+            _scaled(policy_rows.index_select(0, policy_index[start : start + chunk]), temperature, padding_column, owned=True),
+        )
+        sums.append(_tensor_parallel(torch.minimum(p, q).sum(dim=-1)).sum())
+    return _total(sums, draft_rows.device)
 
 
 @torch.no_grad()
@@ -168,4 +213,4 @@ def entropy_sum(
         (log_p,) = _log_softmax(_scaled(rows[start : start + chunk], temperature, padding_column))
         entropy = -_tensor_parallel((log_p.exp() * log_p).sum(dim=-1))
         sums.append(entropy @ weights[start : start + chunk])
-    return torch.stack(sums).sum() if len(sums) > 1 else sums[0]
+    return _total(sums, rows.device)

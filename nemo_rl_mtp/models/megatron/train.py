@@ -50,11 +50,10 @@ from nemo_rl_mtp.models.megatron.acceptance_forecast import (
     DraftLogits,
     MTPTargets,
     forecast_sums,
-    mtp_targets,
     with_expected_acceptance,
 )
 from nemo_rl_mtp.models.megatron.compat.mtp_loss_callable import substituted_mtp_loss
-from nemo_rl_mtp.models.megatron.draft_distributions import draft_terms, entropy_sum
+from nemo_rl_mtp.models.megatron.draft_distributions import draft_terms, entropy_sum, overlap_sum
 from nemo_rl_mtp.models.megatron.common import backward_seed_over, broadcast_from_last_pipeline_stage, sum_over_data_parallel
 from nemo_rl_mtp.models.megatron.data import (
     Microbatch,
@@ -331,9 +330,8 @@ def forward_step(
     forecast and, with a loss on the policy's distribution, for that loss."""
     microbatch = next(data_iterator)
     gpt_model = model.module
-    # Read before the forward: megatron-core 0.16's RL-labels shim blanks mtp_num_layers during it.
-    num_layers, scaling_factor = gpt_model.config.mtp_num_layers, gpt_model.config.mtp_loss_scaling_factor
-    targets = mtp_targets(microbatch.mtp_loss_mask, microbatch.packed_seq_params, num_layers)
+    scaling_factor = gpt_model.config.mtp_loss_scaling_factor
+    targets = microbatch.mtp_targets
     draft_logits = None
     if targets is not None and getattr(gpt_model, "mtp_process", False) and gpt_model.post_process:
         draft_logits = DraftLogits(targets, keep_graph=mtp_loss_type != "cross_entropy")
@@ -389,21 +387,18 @@ def mtp_draft_terms(
     num_layers = len(draft_logits.logits)
     sums, total_loss = {}, None
     for depth, depth_logits in enumerate(draft_logits.logits):
+        count = targets.draft_rows[depth].numel()
         if not draft_logits.keep_graph:  # megatron's cross entropy: the forecast only
-            rows = draft_logits.rows[depth]
-            policy_index = targets.policy_index[depth][rows]
-            ones = torch.ones(policy_index.shape, device=logits.device)
-            _, _, overlap = draft_terms(depth_logits, logits, policy_index, ones, ones, None, 0.0, temperature, vocab_size)
-            sums.update(forecast_sums(depth, overlap, rows.sum()))
+            overlap = overlap_sum(depth_logits, logits, targets.draft_policy_index[depth], temperature, vocab_size)
+            sums.update(forecast_sums(depth, overlap, count))
             continue
         mask, num_tokens = targets.mask[depth], targets.num_tokens[depth]
         scale = scaling_factor / num_layers * targets.first_num_tokens / num_tokens.clamp(min=1)
-        draftable = targets.draftable[depth]
         loss, value, overlap = draft_terms(
-            depth_logits, logits, targets.policy_index[depth], mask, draftable, loss_type, scale, temperature, vocab_size
+            depth_logits, logits, targets.policy_index[depth], mask, targets.draftable[depth], loss_type, scale, temperature, vocab_size
         )
         total_loss = loss if total_loss is None else total_loss + loss
-        sums.update(forecast_sums(depth, overlap, draftable.sum()))
+        sums.update(forecast_sums(depth, overlap, count))
         _log_mtp_loss(value * (num_tokens > 0) / num_tokens.clamp(min=1), depth, num_layers)
     if total_loss is not None:
         logits = MTPLossAutoScaler.apply(logits, total_loss)
@@ -477,8 +472,10 @@ def sum_over_global_batch(microbatch_metrics: list[dict[str, torch.Tensor]], dev
 
 
 def mtp_gradient_norm(model) -> float:
-    """L2 norm of the MTP block's gradients (after the DP all-reduce, before clipping)."""
-    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+    """L2 norm of the MTP block's gradients (after the DP all-reduce, before clipping): torch's
+    foreach norm over this rank's MTP gradients (tensor-parallel duplicates left out), squared and
+    summed over the model-parallel group (the MTP block sits on the last pipeline stage), as
+    megatron's ``get_grad_norm_fp32`` sums it. One host read."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     mtp_block = getattr(model.module, "mtp", None)
@@ -489,6 +486,7 @@ def mtp_gradient_norm(model) -> float:
             for param in mtp_block.parameters()
             if param.requires_grad and param_is_not_tensor_parallel_duplicate(param)
         ]
-    with cpu_runtime.device_scope():
-        norm = get_grad_norm_fp32(grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
-    return float(norm)
+    squared = (torch.nn.utils.get_total_norm(grads) ** 2).to(cpu_runtime.compute_device(), torch.float32).reshape(1)
+    if parallel_state.get_model_parallel_group().size() > 1:
+        torch.distributed.all_reduce(squared, group=parallel_state.get_model_parallel_group())
+    return float(squared.sqrt())
