@@ -158,7 +158,7 @@ def forward_logits(policy, tokens: torch.Tensor, loss_mask: torch.Tensor | None)
     finally:
         hook.remove()
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
-    if model.config.mtp_detach_heads:
+    if getattr(model.config, "mtp_detach_heads", False):  # a field since megatron-core 0.19
         weight = weight.detach()
     depths = captured[0].chunk(1 + model.config.mtp_num_layers, dim=0)[1:]
     return logits, [model.output_layer(hidden, weight=weight)[0].transpose(0, 1) for hidden in depths]
