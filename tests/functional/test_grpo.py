@@ -58,11 +58,12 @@ def runs(tmp_path_factory):
         "moe_greedy": ["--config", str(MOE_RECIPE), *greedy],
         "moe_greedy_dp2": ["--config", str(MOE_RECIPE), "cluster.workers_per_node=2", *greedy],
         # The recipe in which RL moves the policy (a mixed warm start, KL to the start of RL logged),
-        # with the heads frozen for the GRPO steps; and a loss on the policy's distribution.
+        # with the heads frozen for the GRPO steps; and megatron's own MTP loss (the default is
+        # total_variation, a loss on the policy's distribution).
         "moves_frozen": [
             "--config", str(POLICY_MOVES_RECIPE), "grpo.warmup_imitation_steps=2", "policy.mtp_frozen_during_rl=true", *quiet,
         ],  # fmt: skip
-        "total_variation": ["policy.megatron_cfg.mtp_loss_type=total_variation", *quiet],
+        "cross_entropy": ["policy.megatron_cfg.mtp_loss_type=cross_entropy", *quiet],
     }
     from nemo_rl_mtp.distributed.ray_cluster import init_ray
     from nemo_rl_mtp.utils.config import load_config
@@ -160,10 +161,13 @@ def test_frozen_heads_log_their_metrics_and_get_no_gradient_while_the_policy_mov
     assert (runs["moves_frozen"] / "checkpoints" / "start_of_rl").is_dir()
 
 
-def test_total_variation_trains_the_heads(runs):
-    for row in read_metrics(runs["total_variation"] / "metrics.jsonl"):
-        assert 0 < row["train/mtp/mtp_1_loss"] < 1 and row["train/mtp/grad_norm"] > 0
-        assert 0 < row["train/mtp/mtp_1_expected_acceptance"] < 100 and "train/kl_to_start" not in row
+@pytest.mark.parametrize("name, bounded", [("mtp1", True), ("cross_entropy", False)])
+def test_both_kinds_of_mtp_loss_train_the_heads(runs, name, bounded):
+    """total_variation (the default) is a probability, in [0, 1]; cross entropy is not bounded."""
+    for row in read_metrics(runs[name] / "metrics.jsonl"):
+        assert 0 < row["train/mtp/mtp_1_loss"] and (row["train/mtp/mtp_1_loss"] < 1 or not bounded)
+        assert row["train/mtp/grad_norm"] > 0 and 0 < row["train/mtp/mtp_1_expected_acceptance"] < 100
+        assert "train/kl_to_start" not in row
 
 
 def test_tensorboard_events_written(runs):

@@ -334,4 +334,4 @@ def test_distribution_losses_are_refused_in_one_line_where_the_loss_is_unreachab
     assert mtp_loss_callable.unsupported_reason() is not None
     with pytest.raises(ValueError, match=r"mtp_loss_type=total_variation is not supported by the installed megatron-core .*: process_mtp_loss takes no compute_language_model_loss"):
         compat.check_mtp_features_supported(tiny_config(megatron_cfg__mtp_loss_type="total_variation").policy.megatron_cfg)
-    compat.check_mtp_features_supported(tiny_config().policy.megatron_cfg)
+    compat.check_mtp_features_supported(tiny_config(megatron_cfg__mtp_loss_type="cross_entropy").policy.megatron_cfg)

@@ -123,6 +123,7 @@ def test_mtp_gradient_equals_independent_reference(mtp_num_layers, tied_embeddin
     policy, cfg = make_policy(
         megatron_cfg__mtp_num_layers=mtp_num_layers,
         megatron_cfg__mtp_loss_scaling_factor=scaling_factor,
+        megatron_cfg__mtp_loss_type="cross_entropy",  # the reference is megatron's loss
         megatron_cfg__share_embeddings_and_output_weights=tied_embeddings,
         train_micro_batch_size=2,
         train_global_batch_size=8,
@@ -214,8 +215,12 @@ def test_tokens_outside_the_mask_change_nothing():
 
 
 def test_changing_an_unmasked_target_changes_the_mtp_gradient():
-    """The counterpart of the test above: the same edit inside the mask is seen."""
-    policy, cfg = make_policy(megatron_cfg__mtp_num_layers=1, train_micro_batch_size=2, train_global_batch_size=8)
+    """The counterpart of the test above: the same edit inside the mask is seen (by megatron's
+    cross entropy, which trains on the token; the losses on the policy's distribution see the
+    token only through the context of later targets)."""
+    policy, cfg = make_policy(
+        megatron_cfg__mtp_num_layers=1, megatron_cfg__mtp_loss_type="cross_entropy", train_micro_batch_size=2, train_global_batch_size=8
+    )
     batch = make_batch(RAGGED_RESPONSES)
     _, grads = run_step(policy, cfg, batch, loss_fn=zero_policy_loss)
     edited = {key: value.clone() for key, value in batch.items()}
