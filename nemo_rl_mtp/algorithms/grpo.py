@@ -354,7 +354,7 @@ def warm_up(cfg: MasterConfig, policy, prompts: PromptSource, pad_id: int) -> di
         metrics = policy.imitate(prompt_demonstrations(batch_prompts, pad_id), grpo.warmup_lr)
     if not metrics:
         return {}
-    acceptance = metrics.get("mtp_1_acceptance_rate")
+    acceptance = metrics.get("mtp/mtp_1_acceptance_rate")
     logger.info(
         "warm start: %d imitation steps in %.0f s; loss %.3f%s", cfg.grpo.warmup_imitation_steps,
         time.perf_counter() - start, metrics["loss"], "" if acceptance is None else f", MTP depth-1 acceptance {acceptance:.0f}%",

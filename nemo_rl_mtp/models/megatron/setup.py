@@ -41,6 +41,8 @@ class MegatronPolicyModel:
     transformer_impl: str
     # The tokenizer's vocabulary; the output layer may hold a few more (padding) ids.
     vocab_size: int
+    # Once-per-policy warnings its training steps have given (train.py), so they are not repeated.
+    warned: set = dataclasses.field(default_factory=set)
 
 
 def initialize_model_parallel(megatron_cfg, rank: int, world_size: int, init_method: str) -> None:

@@ -52,5 +52,5 @@ def test_forecast_is_the_mean_overlap_of_policy_and_head_over_the_mtp_targets(mt
     for depth, (forecast, targets) in enumerate(expected, start=1):
         assert metrics[f"mtp/mtp_{depth}_expected_acceptance"] == pytest.approx(forecast, abs=1e-4)
         # megatron's MTP loss also trains the first `depth` response tokens, which no draft targets.
-        assert metrics[f"mtp_{depth}_target_tokens"] == response_tokens > targets
+        assert metrics[f"mtp/mtp_{depth}_target_tokens"] == response_tokens > targets
     assert 0 < expected[0][0] < 100

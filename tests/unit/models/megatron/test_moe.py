@@ -50,7 +50,7 @@ def test_moe_trunk_and_moe_mtp_layer_train():
     assert any(name.startswith("decoder.") and ".mlp.experts." in name for name in names)
     assert any(name.startswith("mtp.") and ".mlp.experts." in name for name in names)  # MoE MTP layer
     metrics, grads = run_step(policy, cfg, make_batch(BALANCED_RESPONSES), PG_LOSS)
-    assert metrics["mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
+    assert metrics["mtp/mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
     assert metrics["moe/load_balancing_loss"] > 0
     assert all(grad.abs().sum() > 0 for grad in _router_gradients(grads).values())
 
