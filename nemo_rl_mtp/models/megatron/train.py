@@ -74,6 +74,7 @@ from nemo_rl_mtp.models.megatron.data import (
     microbatches_for_this_rank,
 )
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel, mtp_enabled
+from nemo_rl_mtp.models.megatron.vocabulary import mask_ids_past_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -491,17 +492,7 @@ def policy_loss(
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
     """log p(target) per position under the sampling temperature, from (vocab-parallel) logits
     ``[b, s, v/tp]``, over the real vocabulary (padding ids excluded, as in sampling)."""
-    return -vocab_parallel_cross_entropy(mask_padding_ids(logits.float(), vocab_size) / temperature, target_ids)
-
-
-def mask_padding_ids(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """-inf on the output-layer ids beyond the tokenizer's vocabulary, on this TP rank's shard."""
-    shard_size = logits.shape[-1]
-    first_id = parallel_state.get_tensor_model_parallel_rank() * shard_size
-    if first_id + shard_size <= vocab_size:
-        return logits
-    ids = torch.arange(first_id, first_id + shard_size, device=logits.device)
-    return logits.masked_fill(ids >= vocab_size, float("-inf"))
+    return -vocab_parallel_cross_entropy(mask_ids_past_vocabulary(logits.float(), vocab_size) / temperature, target_ids)
 
 
 def sum_over_global_batch(microbatch_metrics: list[dict[str, torch.Tensor]], device) -> dict[str, float]:
