@@ -73,6 +73,7 @@ from nemo_rl_mtp.models.megatron.data import (
     local_valid_tokens,
     microbatches_for_this_rank,
 )
+from nemo_rl_mtp.models.megatron.module_modes import eval_mode
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel, mtp_enabled
 from nemo_rl_mtp.models.megatron.vocabulary import mask_ids_past_vocabulary
 
@@ -223,12 +224,8 @@ def _routing_pass(model, microbatches: list[Microbatch]) -> None:
         logits = model_forward(model, next(data_iterator))
         return logits, lambda output: (torch.zeros((), device=output.device), {})
 
-    model.eval()
-    try:
-        with torch.no_grad():
-            run_schedule(model, microbatches, forward_step, forward_only=True)
-    finally:
-        model.train()
+    with eval_mode(model), torch.no_grad():
+        run_schedule(model, microbatches, forward_step, forward_only=True)
 
 
 def run_schedule(model, microbatches: list[Microbatch], forward_step_func, forward_only: bool) -> list:

@@ -1,0 +1,46 @@
+"""Passes that switch the model to eval mode (the logprobs pass; the routing pass of a step with
+``global_batch_aux_loss``) leave each module in the mode they found it in, not in train mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_rl_mtp.models.megatron.inference import compute_logprobs
+from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
+from tests.helpers import make_batch, make_policy
+from tests.unit.models.megatron.test_mtp_training_step import BALANCED_RESPONSES, PG_LOSS
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+MOE_GLOBAL_BATCH = {
+    "megatron_cfg__num_moe_experts": 4,
+    "megatron_cfg__moe_router_topk": 2,
+    "megatron_cfg__moe_router_load_balancing_type": "global_batch_aux_loss",
+    "megatron_cfg__mtp_num_layers": 1,
+    "train_micro_batch_size": 4,
+    "train_global_batch_size": 8,
+}
+
+
+def _modes(policy) -> dict[str, bool]:
+    return {name: module.training for name, module in policy.model.named_modules()}
+
+
+def _logprobs(policy, cfg):
+    compute_logprobs(policy, make_batch(BALANCED_RESPONSES), cfg)
+
+
+def _training_step_with_routing_pass(policy, cfg):
+    forward_backward_global_batch(policy, make_batch(BALANCED_RESPONSES), PG_LOSS, cfg)
+
+
+@pytest.mark.parametrize("run_pass", [_logprobs, _training_step_with_routing_pass])
+@pytest.mark.parametrize("trunk_training", [False, True])
+def test_eval_passes_restore_each_modules_mode(run_pass, trunk_training):
+    """A mixed state (the trunk in one mode, the MTP block in the other) comes back unchanged."""
+    policy, cfg = make_policy(**MOE_GLOBAL_BATCH)
+    policy.model.train(trunk_training)
+    policy.model.module.mtp.train(not trunk_training)
+    before = _modes(policy)
+    run_pass(policy, cfg)
+    assert _modes(policy) == before
