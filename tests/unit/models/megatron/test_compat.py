@@ -321,8 +321,10 @@ def test_mtp_loss_substitute_applies_only_inside_its_block():
 
 def test_distribution_losses_are_refused_in_one_line_where_the_loss_is_unreachable(monkeypatch):
     """A release whose process_mtp_loss took no loss callable could not run them: refused before
-    any worker starts, naming the key and the release (cross_entropy still runs)."""
+    any worker starts (when the config is loaded), naming the key and the release (cross_entropy
+    still runs)."""
     from nemo_rl_mtp.models.megatron.compat import mtp_loss_callable
+    from nemo_rl_mtp.utils.config import ConfigError
     from tests.helpers import tiny_config
 
     def process_mtp_loss(hidden_states, labels, loss_mask, output_layer, config):
@@ -330,6 +332,6 @@ def test_distribution_losses_are_refused_in_one_line_where_the_loss_is_unreachab
 
     monkeypatch.setattr(mtp_module, "process_mtp_loss", process_mtp_loss, raising=False)
     assert mtp_loss_callable.unsupported_reason() is not None
-    with pytest.raises(ValueError, match=r"mtp_loss_type=total_variation is not supported by the installed megatron-core .*: process_mtp_loss takes no compute_language_model_loss"):
-        compat.check_mtp_features_supported(tiny_config(megatron_cfg__mtp_loss_type="total_variation").policy.megatron_cfg)
-    compat.check_mtp_features_supported(tiny_config(megatron_cfg__mtp_loss_type="cross_entropy").policy.megatron_cfg)
+    with pytest.raises(ConfigError, match=r"mtp_loss_type=total_variation is not supported by the installed megatron-core .*: process_mtp_loss takes no compute_language_model_loss"):
+        tiny_config(megatron_cfg__mtp_loss_type="total_variation")
+    tiny_config(megatron_cfg__mtp_loss_type="cross_entropy")
