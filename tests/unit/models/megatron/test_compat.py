@@ -248,6 +248,37 @@ def test_without_the_rl_labels_shim_mtp_silently_does_not_train(monkeypatch):
     assert all(policy.model.module.get_parameter(name).main_grad.abs().max() == 0 for name in mtp_parameter_names(policy))
 
 
+@pytest.mark.skipif(not UPSTREAM_DERIVES_RL_LABELS, reason="no native process_mtp_loss with RL labels to compare with (megatron-core < 0.19)")
+@pytest.mark.parametrize("loss_type, packed", [("cross_entropy", False), ("total_variation", True)])
+def test_rl_labels_backport_equals_native_process_mtp_loss(monkeypatch, loss_type, packed):
+    """The back-port that 0.16-0.18 run in place of ``process_mtp_loss``, run on this release in
+    place of its own: the same step (MTP loss, acceptance, forecast, every gradient) bit for bit on
+    the same weights and batch, RL labels derived from input_ids in both."""
+    from nemo_rl_mtp.models.megatron.compat import rl_labels
+    from tests.helpers import gradients
+
+    batch = make_batch(RAGGED_RESPONSES, sample_mask=[1, 1, 0, 1, 1, 1, 1, 1])
+    steps, backport_calls = [], []
+
+    def backport(*args, **kwargs):
+        backport_calls.append(kwargs.get("input_ids") is not None)
+        return rl_labels.process_mtp_loss_backport(*args, **kwargs)
+
+    keys = {"megatron_cfg__mtp_loss_type": loss_type, "sequence_packing__enabled": packed}
+    for use_backport in (False, True):
+        if use_backport:
+            monkeypatch.setattr(gpt_model, "process_mtp_loss", backport)
+        policy, cfg = make_policy(megatron_cfg__mtp_num_layers=2, train_micro_batch_size=2, train_global_batch_size=8, **keys)
+        steps.append((forward_backward_global_batch(policy, batch, PG_LOSS, cfg), gradients(policy)))
+    (native_metrics, native_grads), (backport_metrics, backport_grads) = steps
+    assert backport_calls and all(backport_calls)  # the back-port ran, on labels it derived
+    assert backport_metrics == native_metrics
+    assert backport_grads.keys() == native_grads.keys()
+    for name, grad in native_grads.items():
+        assert torch.equal(backport_grads[name], grad), name
+    assert any(native_grads[name].abs().max() > 0 for name in mtp_parameter_names(policy))
+
+
 def test_guard_fails_loudly_naming_the_release():
     config = type("Config", (), {"mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.1})()
     version = compat.megatron_core_version()
