@@ -26,21 +26,16 @@ def _modes(policy) -> dict[str, bool]:
     return {name: module.training for name, module in policy.model.named_modules()}
 
 
-def _logprobs(policy, cfg):
-    compute_logprobs(policy, make_batch(BALANCED_RESPONSES), cfg)
-
-
-def _training_step_with_routing_pass(policy, cfg):
-    forward_backward_global_batch(policy, make_batch(BALANCED_RESPONSES), PG_LOSS, cfg)
-
-
-@pytest.mark.parametrize("run_pass", [_logprobs, _training_step_with_routing_pass])
-@pytest.mark.parametrize("trunk_training", [False, True])
-def test_eval_passes_restore_each_modules_mode(run_pass, trunk_training):
-    """A mixed state (the trunk in one mode, the MTP block in the other) comes back unchanged."""
+def test_eval_passes_restore_each_modules_mode():
+    """A mixed state (the trunk in eval mode, the MTP block training) comes back unchanged from
+    the logprobs pass and from a training step's routing pass (forcing train() would put the
+    trunk in train mode, forcing eval() the MTP block in eval mode)."""
     policy, cfg = make_policy(**MOE_GLOBAL_BATCH)
-    policy.model.train(trunk_training)
-    policy.model.module.mtp.train(not trunk_training)
+    policy.model.eval()
+    policy.model.module.mtp.train()
     before = _modes(policy)
-    run_pass(policy, cfg)
+    assert not before["module.decoder"] and before["module.mtp"]
+    compute_logprobs(policy, make_batch(BALANCED_RESPONSES), cfg)
+    assert _modes(policy) == before
+    forward_backward_global_batch(policy, make_batch(BALANCED_RESPONSES), PG_LOSS, cfg)
     assert _modes(policy) == before
