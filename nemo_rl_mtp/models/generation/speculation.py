@@ -51,6 +51,11 @@ def check_speculation_supported(generation_cfg, megatron_cfg) -> None:
     k = generation_cfg.num_speculative_tokens
     if k == "auto" or k <= 0:
         return
+    if not megatron_cfg.mtp_num_layers:
+        raise ValueError(
+            f"policy.generation.num_speculative_tokens={k}: the model has no MTP heads to draft with; set "
+            "policy.megatron_cfg.mtp_num_layers > 0 or num_speculative_tokens=0"
+        )
     limit = max_speculative_tokens(megatron_cfg)
     if limit is not None and k > limit:
         raise ValueError(
