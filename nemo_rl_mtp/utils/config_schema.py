@@ -42,6 +42,8 @@ class MegatronConfig:
     share_embeddings_and_output_weights: bool
     model_class: str
     hybrid_layer_pattern: Optional[str]
+    hidden_dropout: float
+    attention_dropout: float
     recompute_granularity: Optional[str]
     recompute_method: Optional[str]
     recompute_num_layers: Optional[int]
@@ -50,6 +52,7 @@ class MegatronConfig:
     mtp_loss_scaling_factor: float
     mtp_use_repeated_layer: bool
     mtp_detach_heads: bool
+    mtp_loss_type: str
     num_moe_experts: int
     moe_router_topk: int
     moe_ffn_hidden_size: Optional[int]
@@ -92,6 +95,7 @@ class PolicyConfig:
     train_micro_batch_size: int
     max_total_sequence_length: int
     mtp_loss_mask_policy: str
+    mtp_frozen_during_rl: bool
     sequence_packing: SequencePackingConfig
     generation: GenerationConfig
     megatron_cfg: MegatronConfig
@@ -106,6 +110,9 @@ class GRPOConfig:
     seed: int
     warmup_imitation_steps: int
     warmup_lr: float
+    warmup_distractor_task: Optional[str]
+    warmup_distractor_fraction: float
+    log_kl_to_start_of_rl: bool
     val_period: int
     val_num_prompts: int
 
