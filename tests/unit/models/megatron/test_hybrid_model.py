@@ -2,8 +2,8 @@
 what the GPTModel of the same architecture computes. A pattern of one attention and one MLP (or
 MoE) layer per GPT layer, for the decoder and the MTP layer, holds the GPT's weights under other
 names; the test copies them over by a renaming written out here (independent of ``hybrid.py``) and
-compares logits, the MTP training step (losses, metrics, every gradient), MoE router metrics,
-greedy engine rollouts with speculation, and a checkpoint round trip."""
+compares logits and the MTP training step (losses, metrics, every gradient, MoE router metrics);
+a hybrid checkpoint round-trips. Engine rollouts: ``generation/test_hybrid_rollouts.py``."""
 
 from __future__ import annotations
 
@@ -129,3 +129,13 @@ def test_an_mtp_training_step_gives_the_same_losses_metrics_and_gradients(overri
     for name in gpt_grads:
         torch.testing.assert_close(hybrid_grads[hybrid_name(name)], gpt_grads[name], rtol=1e-4, atol=1e-7, msg=name)
     assert all(gpt_grads[name].abs().sum() > 0 for name in gpt_grads if name.startswith("mtp."))
+
+
+def test_a_hybrid_checkpoint_round_trips_and_differs_from_a_fresh_model(tmp_path):
+    saved, _ = make_policy(**STEP, **HYBRID, megatron_cfg__hybrid_layer_pattern=hybrid_pattern(1, moe=False))
+    save_policy(saved, tmp_path / "step_000001")
+    other, _ = make_policy(**STEP, **HYBRID, megatron_cfg__hybrid_layer_pattern=hybrid_pattern(1, moe=False), megatron_cfg__seed=7)
+    pairs = list(zip(saved.model.module.parameters(), other.model.module.parameters()))
+    assert not all(torch.equal(a, b) for a, b in pairs)
+    load_model_weights(other.model.module, tmp_path / "step_000001" / "policy")
+    assert all(torch.equal(a, b) for a, b in pairs)
