@@ -111,15 +111,17 @@ def _layer_part(layer_spec: ModuleSpec, parts: tuple[str, ...]) -> ModuleSpec:
 def build_hybrid_model(config, stack_spec: ModuleSpec, pattern: str, **model_kwargs):
     """megatron's HybridModel (``model_kwargs``: vocab_size, max_sequence_length, pre/post_process,
     embedding and output options), its final norm built as :mod:`compat.hybrid_final_norm` says,
-    its MTP block given the padding mask as :mod:`compat.hybrid_mtp_padding` says."""
+    its MTP block given the padding mask as :mod:`compat.hybrid_mtp_padding` says, its MTP layers'
+    MoE routers marked as :mod:`compat.hybrid_mtp_router` says."""
     from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from nemo_rl_mtp.models.megatron.compat import hybrid_mtp_padding
+    from nemo_rl_mtp.models.megatron.compat import hybrid_mtp_padding, hybrid_mtp_router
     from nemo_rl_mtp.models.megatron.compat.hybrid_final_norm import local_final_norm
 
     with local_final_norm(config):
         model = HybridModel(config=config, hybrid_stack_spec=stack_spec, hybrid_layer_pattern=pattern, **model_kwargs)
     if hybrid_mtp_padding.needed(model, parse_hybrid_pattern(pattern).mtp_pattern):
         hybrid_mtp_padding.pass_padding_mask_to_mtp(model)
+    hybrid_mtp_router.mark_mtp_routers(model)
     return model

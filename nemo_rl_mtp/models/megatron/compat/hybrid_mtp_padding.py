@@ -6,10 +6,13 @@ and load-balancing loss, which the decoder's routers exclude. On a model whose M
 layers, two forward pre-hooks (public torch hooks, on this model's modules only) pass the model's
 ``padding_mask`` on to its MTP block when megatron's call leaves it out. Where a release passes it
 itself, the hook finds it set and does nothing (logged once). Idempotent: a model is hooked once.
+An MTP block whose forward takes no ``padding_mask`` (probed by signature) stops the build in one
+line.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 logger = logging.getLogger(__name__)
@@ -26,6 +29,12 @@ def pass_padding_mask_to_mtp(model) -> bool:
     """Hook ``model`` (a HybridModel with an MTP block); returns whether hooks were added now."""
     if getattr(model, _HOOKED, False):
         return False
+    if "padding_mask" not in inspect.signature(model.mtp.forward).parameters:
+        raise RuntimeError(
+            f"megatron-core's {type(model.mtp).__name__}.forward takes no padding_mask, which nemo_rl_mtp's hybrid_mtp_padding "
+            "hook hands it (the MoE routers of the MTP pattern would count padding); model_class=hybrid with E layers in the "
+            "MTP pattern needs adapting to this release"
+        )
     forward = {"padding_mask": None, "reported": False}
 
     def remember(module, args, kwargs):

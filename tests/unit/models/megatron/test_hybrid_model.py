@@ -108,8 +108,10 @@ def run_step(policy, policy_cfg, batch):
         {"megatron_cfg__mtp_loss_type": "cross_entropy"},
         {"megatron_cfg__mtp_loss_type": "total_variation", "megatron_cfg__mtp_num_layers": 2},
         {"megatron_cfg__mtp_loss_type": "cross_entropy", **MOE_EXPERTS},
+        {"megatron_cfg__mtp_num_layers": 2, "megatron_cfg__mtp_use_repeated_layer": True},
+        {"megatron_cfg__mtp_num_layers": 2, "megatron_cfg__mtp_use_repeated_layer": True, **MOE_EXPERTS},
     ],
-    ids=["cross_entropy", "total_variation_two_depths", "moe"],
+    ids=["cross_entropy", "total_variation_two_depths", "moe", "repeated_layer", "repeated_moe_layer"],
 )
 def test_an_mtp_training_step_gives_the_same_losses_metrics_and_gradients(overrides):
     """MTP loss, acceptance, forecast, policy loss, router metrics and every gradient (right-padded
