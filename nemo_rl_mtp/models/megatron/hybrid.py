@@ -25,19 +25,30 @@ GPU_ONLY_LAYERS = {"M": "Mamba", "G": "GatedDeltaNet"}
 
 
 def check_hybrid_supported() -> None:
-    """Raise ValueError (one line, naming the key) where the installed megatron-core has no
-    HybridModel that takes MTP depths in its layer pattern (releases before 0.18)."""
+    """Raise ValueError (one line, naming the key) where the installed megatron-core cannot train a
+    HybridModel's MTP layers in RL mode: no HybridModel taking MTP depths in its layer pattern
+    (before 0.18), or a ``process_mtp_loss`` that cannot derive the MTP labels from ``input_ids``
+    (0.18: HybridModel would skip its MTP loss with ``labels=None``; the ``rl_labels`` shim covers
+    GPTModel only). Probed by signature."""
+    from nemo_rl_mtp.models.megatron.compat import megatron_core_version
+
     try:
         from megatron.core.models.hybrid.hybrid_model import HybridModel
     except ImportError:
         HybridModel = None
     if HybridModel is None or "hybrid_layer_pattern" not in inspect.signature(HybridModel).parameters:
-        from nemo_rl_mtp.models.megatron.compat import megatron_core_version
+        missing = "a HybridModel with MTP layers in its hybrid_layer_pattern (megatron.core.models.hybrid)"
+    else:
+        from megatron.core.transformer import multi_token_prediction
 
-        raise ValueError(
-            f"policy.megatron_cfg.model_class=hybrid: the installed megatron-core {megatron_core_version()} has no HybridModel "
-            "with MTP layers in its hybrid_layer_pattern (megatron.core.models.hybrid, >= 0.18); use model_class=gpt or upgrade"
-        )
+        process_mtp_loss = getattr(multi_token_prediction, "process_mtp_loss", None)
+        if process_mtp_loss is not None and "input_ids" in inspect.signature(process_mtp_loss).parameters:
+            return
+        missing = "a process_mtp_loss that takes input_ids (HybridModel's MTP loss in RL mode, labels=None)"
+    raise ValueError(
+        f"policy.megatron_cfg.model_class=hybrid: the installed megatron-core {megatron_core_version()} lacks {missing}; "
+        "use model_class=gpt or megatron-core >= 0.19"
+    )
 
 
 def decoder_layer_types(pattern: str) -> list[str]:
@@ -125,3 +136,16 @@ def build_hybrid_model(config, stack_spec: ModuleSpec, pattern: str, **model_kwa
         hybrid_mtp_padding.pass_padding_mask_to_mtp(model)
     hybrid_mtp_router.mark_mtp_routers(model)
     return model
+
+
+def mamba_inference_state(model) -> dict:
+    """The engine's ``InferenceConfig`` arguments for a HybridModel with Mamba layers (their
+    per-request conv and SSM state shapes, megatron's ``MambaInferenceStateConfig.from_model``);
+    ``{}`` for a model without (GPTModel, a hybrid of attention, MLP and MoE layers), which
+    megatron's context then treats as a transformer, as megatron's own inference set-up does."""
+    try:
+        from megatron.core.inference.config import MambaInferenceStateConfig
+    except ImportError:  # releases whose engine predates hybrid models
+        return {}
+    state = MambaInferenceStateConfig.from_model(model)
+    return {} if state is None else {"mamba_inference_state_config": state}

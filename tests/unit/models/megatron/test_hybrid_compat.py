@@ -125,6 +125,19 @@ def test_mtp_routers_are_marked_as_gpts_are_once_and_loud_without_their_attribut
 def test_a_release_without_hybrid_model_is_refused_in_one_line(monkeypatch):
     hybrid.check_hybrid_supported()  # the installed release has it
     monkeypatch.setitem(sys.modules, "megatron.core.models.hybrid.hybrid_model", None)
-    with pytest.raises(ValueError, match=r"^policy.megatron_cfg.model_class=hybrid: the installed megatron-core .* has no HybridModel") as error:
+    with pytest.raises(ValueError, match=r"^policy.megatron_cfg.model_class=hybrid: the installed megatron-core .* lacks a HybridModel") as error:
         hybrid.check_hybrid_supported()
     assert "\n" not in str(error.value)
+
+
+def test_a_release_whose_mtp_loss_cannot_take_input_ids_is_refused_in_one_line(monkeypatch):
+    """0.18.2's process_mtp_loss (its signature): HybridModel would skip the MTP loss in RL mode."""
+    from megatron.core.transformer import multi_token_prediction
+
+    def process_mtp_loss(hidden_states, labels, loss_mask, output_layer, output_weight, runtime_gather_output, is_training,
+                         compute_language_model_loss, config, cp_group=None, packed_seq_params=None, scale_logits_fn=None):  # fmt: skip
+        return hidden_states
+
+    monkeypatch.setattr(multi_token_prediction, "process_mtp_loss", process_mtp_loss)
+    with pytest.raises(ValueError, match=r"^policy.megatron_cfg.model_class=hybrid: .* lacks a process_mtp_loss that takes input_ids .*>= 0.19$"):
+        hybrid.check_hybrid_supported()
