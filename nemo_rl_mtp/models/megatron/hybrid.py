@@ -19,9 +19,10 @@ import logging
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from nemo_rl_mtp.utils.config import HYBRID_GPU_ONLY_LAYERS
+
 logger = logging.getLogger(__name__)
 
-GPU_ONLY_LAYERS = {"M": "Mamba", "G": "GatedDeltaNet"}
 
 
 def check_hybrid_supported() -> None:
@@ -73,7 +74,7 @@ def hybrid_stack_spec(transformer_impl: str, config, gpt_layer_spec: ModuleSpec,
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_stack_spec
 
         return te_stack_spec
-    gpu_only = sorted({GPU_ONLY_LAYERS[symbol] for symbol in pattern if symbol in GPU_ONLY_LAYERS})
+    gpu_only = [name for symbol, name in HYBRID_GPU_ONLY_LAYERS.items() if symbol in pattern]
     if gpu_only:
         raise ValueError(
             f"policy.megatron_cfg.hybrid_layer_pattern={pattern!r}: {' and '.join(gpu_only)} layers need CUDA kernels and "

@@ -97,6 +97,7 @@ def run_step(policy, policy_cfg, batch):
     # megatron's process-wide MoE tracker sizes its entries for the first model that records (one
     # model per worker); here two models of different layer counts share the process.
     get_moe_metrics_tracker().metrics.clear()
+    get_mtp_metrics(1)  # drained: what an earlier test left in megatron's class-level MTP tracker
     metrics, num_microbatches = forward_backward_global_batch(policy, batch, PG_LOSS, policy_cfg)
     metrics.update(get_mtp_metrics(num_microbatches))
     return metrics, gradients(policy)
@@ -141,3 +142,15 @@ def test_a_hybrid_checkpoint_round_trips_and_differs_from_a_fresh_model(tmp_path
     assert not all(torch.equal(a, b) for a, b in pairs)
     load_model_weights(other.model.module, tmp_path / "step_000001" / "policy")
     assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_a_worker_building_the_local_spec_refuses_mamba_and_gated_delta_net_in_one_line():
+    """The driver refuses them on CPU workers; a GPU worker without transformer_engine (auto
+    resolves to the local spec) still gets one line naming the key, not an ImportError."""
+    from nemo_rl_mtp.models.megatron import hybrid
+    from nemo_rl_mtp.models.megatron.setup import build_layer_spec
+
+    policy, _ = make_policy()
+    spec = build_layer_spec("local", policy.config)
+    with pytest.raises(ValueError, match=r"^policy.megatron_cfg.hybrid_layer_pattern='M\*G-/\*-': Mamba .* and GatedDeltaNet .* layers need CUDA kernels"):
+        hybrid.hybrid_stack_spec("local", policy.config, spec, "M*G-/*-")
