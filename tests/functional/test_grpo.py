@@ -261,6 +261,10 @@ def test_plot_of_a_run(runs, tmp_path):
         (["policy.megatron_cfg.mtp_num_layers=1", "policy.generation.num_speculative_tokens=2"], "at most 1 draft"),
         (["cluster.cpus_per_worker=4096"], "cluster.workers_per_node=1: needs 4096 CPUs"),
         (["logger.log_dir=/proc/nemo_rl_mtp_logs"], "logger.log_dir=/proc/nemo_rl_mtp_logs: not writable"),
+        (
+            [*HYBRID_MOE[2:4], "policy.megatron_cfg.hybrid_layer_pattern='M*M-/*-'"],
+            "policy.megatron_cfg.hybrid_layer_pattern='M*M-/*-': Mamba (mamba_ssm, causal-conv1d) layers need CUDA kernels",
+        ),
     ],
 )
 def test_bad_config_is_rejected_before_any_worker(overrides, named, capsys):

@@ -17,7 +17,7 @@ from nemo_rl_mtp.models.megatron.compat import hybrid_final_norm, hybrid_mtp_pad
 from nemo_rl_mtp.models.megatron.compat._marks import is_shim
 from nemo_rl_mtp.models.megatron.data import causal_attention_mask
 from tests.helpers import make_batch, make_policy
-from tests.unit.models.megatron.test_hybrid_model import HYBRID, MOE_EXPERTS, STEP, hybrid_pattern
+from tests.unit.models.megatron.test_hybrid_model import HYBRID, MOE_EXPERTS, STEP, drained_mtp_tracker, hybrid_pattern  # noqa: F401 (autouse)
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

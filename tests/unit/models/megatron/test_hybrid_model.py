@@ -20,6 +20,15 @@ from tests.unit.models.megatron.test_mtp_training_step import PG_LOSS, RAGGED_RE
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
+
+@pytest.fixture(autouse=True)
+def drained_mtp_tracker():
+    """megatron's class-level MTP tracker is sized by the first model that records into it: what an
+    eval forward of these tests records is drained, so later tests' models start from empty."""
+    get_mtp_metrics(1)
+    yield
+    get_mtp_metrics(1)
+
 STEP = {"train_micro_batch_size": 2, "train_global_batch_size": 8}
 HYBRID = {"megatron_cfg__model_class": "hybrid", "megatron_cfg__num_layers": 4}
 MOE_EXPERTS = {"megatron_cfg__num_moe_experts": 4, "megatron_cfg__moe_router_topk": 2, "megatron_cfg__moe_ffn_hidden_size": 32}
@@ -97,7 +106,6 @@ def run_step(policy, policy_cfg, batch):
     # megatron's process-wide MoE tracker sizes its entries for the first model that records (one
     # model per worker); here two models of different layer counts share the process.
     get_moe_metrics_tracker().metrics.clear()
-    get_mtp_metrics(1)  # drained: what an earlier test left in megatron's class-level MTP tracker
     metrics, num_microbatches = forward_backward_global_batch(policy, batch, PG_LOSS, policy_cfg)
     metrics.update(get_mtp_metrics(num_microbatches))
     return metrics, gradients(policy)
