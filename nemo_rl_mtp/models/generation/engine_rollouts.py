@@ -27,6 +27,7 @@ from nemo_rl_mtp.models.generation import adaptive_speculation, engine_bookkeepi
 from nemo_rl_mtp.models.generation.speculation import speculation_counts
 from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime, hybrid
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
+from nemo_rl_mtp.models.megatron.vocabulary import mask_ids_past_vocabulary
 from nemo_rl_mtp.utils.config_schema import GenerationConfig, PolicyConfig
 
 logger = logging.getLogger(__name__)
@@ -277,18 +278,6 @@ def policy_sampling_distribution(model, temperature: float, vocab_size: int):
         yield
     finally:
         handle.remove()
-
-
-def mask_ids_past_vocabulary(logits: torch.Tensor, vocab_size: int, padded_vocab_size: int) -> torch.Tensor:
-    """-inf on ids >= ``vocab_size``, for full-vocabulary logits or this TP rank's shard."""
-    from megatron.core import parallel_state
-
-    width = logits.shape[-1]
-    first_id = 0 if width == padded_vocab_size else parallel_state.get_tensor_model_parallel_rank() * width
-    if first_id + width <= vocab_size:
-        return logits
-    ids = torch.arange(first_id, first_id + width, device=logits.device)
-    return logits.masked_fill(ids >= vocab_size, float("-inf"))
 
 
 def run_to_completion(engine, prompts: list[list[int]], sampling_params) -> tuple[list, int]:

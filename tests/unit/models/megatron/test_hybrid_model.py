@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from nemo_rl_mtp.models.megatron.checkpoint import load_model_weights, save_policy
-from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
-from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
+from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch, mtp_tracker_emptied
 from tests.helpers import eval_forward_logits, gradients, make_batch, make_policy
 from tests.unit.models.megatron.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
 
@@ -24,10 +23,11 @@ pytestmark = pytest.mark.usefixtures("megatron_world")
 @pytest.fixture(autouse=True)
 def drained_mtp_tracker():
     """megatron's class-level MTP tracker is sized by the first model that records into it: what an
-    eval forward of these tests records is drained, so later tests' models start from empty."""
-    get_mtp_metrics(1)
-    yield
-    get_mtp_metrics(1)
+    eval forward records (before these tests or in them) is emptied, so each model starts empty."""
+    with mtp_tracker_emptied():
+        pass
+    with mtp_tracker_emptied():
+        yield
 
 STEP = {"train_micro_batch_size": 2, "train_global_batch_size": 8}
 HYBRID = {"megatron_cfg__model_class": "hybrid", "megatron_cfg__num_layers": 4}
@@ -106,9 +106,7 @@ def run_step(policy, policy_cfg, batch):
     # megatron's process-wide MoE tracker sizes its entries for the first model that records (one
     # model per worker); here two models of different layer counts share the process.
     get_moe_metrics_tracker().metrics.clear()
-    metrics, num_microbatches = forward_backward_global_batch(policy, batch, PG_LOSS, policy_cfg)
-    metrics.update(get_mtp_metrics(num_microbatches))
-    return metrics, gradients(policy)
+    return forward_backward_global_batch(policy, batch, PG_LOSS, policy_cfg), gradients(policy)
 
 
 @pytest.mark.parametrize(
