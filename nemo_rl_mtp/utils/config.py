@@ -424,6 +424,13 @@ def _validate_hybrid_layer_pattern(cfg: DictConfig) -> None:
     _require(has_experts or not megatron.num_moe_experts, "policy.megatron_cfg.num_moe_experts", megatron.num_moe_experts,
              f"model_class=hybrid puts experts in E layers only, and hybrid_layer_pattern={pattern!r} has none")  # fmt: skip
     _require(not has_experts or megatron.num_moe_experts, key, pattern, "E (mixture of experts) layers need policy.megatron_cfg.num_moe_experts > 0")
+    _require(
+        "E" not in decoder_layers or all("E" in depth for depth in mtp_depths),
+        key,
+        pattern,
+        "with E layers in the decoder every MTP layer needs one too (megatron's router metrics count one MoE layer per MTP "
+        "depth, as a GPTModel with experts has)",
+    )
     pipeline = megatron.pipeline_model_parallel_size
     _require(
         len(stages) == pipeline and len({len(stage) for stage in stages}) == 1,

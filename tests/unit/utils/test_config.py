@@ -96,6 +96,11 @@ def test_recipe_inherits_through_defaults(tmp_path):
         ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*-*-*-/*-"', "policy.megatron_cfg.num_layers=4: hybrid_layer_pattern='*-*-*-/*-' has 6 decoder layers"),
         ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*-*-"', "policy.megatron_cfg.hybrid_layer_pattern='*-*-': 0 MTP layer pattern(s) after '/', but policy.megatron_cfg.mtp_num_layers=1"),
         ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*E*E/*E"', "policy.megatron_cfg.hybrid_layer_pattern='*E*E/*E': E (mixture of experts) layers need"),
+        (
+            'policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*E*E/*-" '
+            "policy.megatron_cfg.num_moe_experts=4",
+            "policy.megatron_cfg.hybrid_layer_pattern='*E*E/*-': with E layers in the decoder every MTP layer needs one too",
+        ),
         ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*-*-/*-" policy.megatron_cfg.num_moe_experts=4', "policy.megatron_cfg.num_moe_experts=4: model_class=hybrid puts experts in E layers only"),
         ("policy.megatron_cfg.model_class=hybrid policy.model_name=x", "policy.megatron_cfg.model_class='hybrid': builds a model from hybrid_layer_pattern; policy.model_name=x"),
         ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern=*-*-/*-', "override 'policy.megatron_cfg.hybrid_layer_pattern=*-*-/*-': its value is not YAML"),
