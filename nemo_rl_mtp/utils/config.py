@@ -22,6 +22,7 @@ EXEMPLAR_CONFIG = REPO_ROOT / "examples" / "configs" / "grpo_mtp.yaml"
 
 _CHOICES = {
     "policy.megatron_cfg.transformer_impl": {"auto", "local", "transformer_engine"},
+    "policy.megatron_cfg.model_class": {"gpt", "hybrid"},
     "policy.megatron_cfg.params_dtype": {"float32", "bfloat16"},
     # None: an imported checkpoint's, which these choices cannot name.
     "policy.megatron_cfg.normalization": {"LayerNorm", "RMSNorm", None},
@@ -271,6 +272,7 @@ def validate_config(cfg: DictConfig) -> None:
         megatron.sequence_parallel,
         "needs tensor_model_parallel_size > 1",
     )
+    _validate_hybrid_layer_pattern(cfg)
     _require(
         megatron.mtp_loss_type == "cross_entropy" or megatron.context_parallel_size == 1,
         "policy.megatron_cfg.mtp_loss_type",
@@ -369,6 +371,85 @@ def _validate_grpo(cfg: DictConfig) -> None:
     _validate_mtp_depth(megatron.mtp_num_layers, longest_sequence)
 
 
+# hybrid_layer_pattern's symbols (megatron-core's hybrid_layer_allocation.Symbols, those this
+# project builds): layers, and the separators of pipeline stages and MTP depths.
+HYBRID_LAYERS = {"*": "attention", "-": "MLP", "E": "mixture of experts", "M": "Mamba", "G": "GatedDeltaNet"}
+HYBRID_GPU_ONLY_LAYERS = {"M": "Mamba (mamba_ssm, causal-conv1d)", "G": "GatedDeltaNet (fla)"}
+HYBRID_PIPELINE_STAGE, HYBRID_MTP_DEPTH = "|", "/"
+
+
+def _validate_hybrid_layer_pattern(cfg: DictConfig) -> None:
+    """model_class and hybrid_layer_pattern: the pattern's symbols, its MTP depths against
+    mtp_num_layers, its layers against num_layers, num_moe_experts and the pipeline stages, and
+    layers that need CUDA kernels on CPU workers."""
+    megatron = cfg.policy.megatron_cfg
+    key, pattern = "policy.megatron_cfg.hybrid_layer_pattern", megatron.hybrid_layer_pattern
+    if megatron.model_class == "gpt":
+        _require(pattern is None, key, pattern, "only model_class=hybrid reads a layer pattern; set policy.megatron_cfg.model_class=hybrid or leave it null")
+        return
+    _require(
+        cfg.policy.model_name is None,
+        "policy.megatron_cfg.model_class",
+        megatron.model_class,
+        f"builds a model from hybrid_layer_pattern; policy.model_name={cfg.policy.model_name} brings its own architecture (leave model_class gpt)",
+    )
+    _require(pattern is not None, key, pattern, 'model_class=hybrid needs a layer pattern, e.g. "*-*-/*-"')
+    unknown = sorted(set(pattern) - set(HYBRID_LAYERS) - {HYBRID_PIPELINE_STAGE, HYBRID_MTP_DEPTH})
+    legend = ", ".join(f"{symbol} {name}" for symbol, name in HYBRID_LAYERS.items())
+    _require(not unknown, key, pattern, f"{unknown} not layer symbols; use {legend}, | between pipeline stages, / before each MTP layer")
+    decoder, *mtp_depths = pattern.split(HYBRID_MTP_DEPTH)
+    stages = decoder.split(HYBRID_PIPELINE_STAGE)
+    decoder_layers = "".join(stages)
+    _require("*" in decoder_layers, key, pattern, "the decoder needs an attention layer (*): megatron-core's inference engine, which runs the rollouts, needs one")
+    _require(
+        len(mtp_depths) == megatron.mtp_num_layers,
+        key,
+        pattern,
+        f"{len(mtp_depths)} MTP layer pattern(s) after '/', but policy.megatron_cfg.mtp_num_layers={megatron.mtp_num_layers}; "
+        "give one '/<pattern>' per MTP layer",
+    )
+    _require(
+        all(depth == mtp_depths[0] and depth and HYBRID_PIPELINE_STAGE not in depth for depth in mtp_depths),
+        key,
+        pattern,
+        "every MTP layer needs the same non-empty pattern without '|' (megatron builds every depth from one pattern)",
+    )
+    _require(
+        megatron.num_layers == len(decoder_layers),
+        "policy.megatron_cfg.num_layers",
+        megatron.num_layers,
+        f"hybrid_layer_pattern={pattern!r} has {len(decoder_layers)} decoder layers; set num_layers={len(decoder_layers)}",
+    )
+    has_experts = "E" in pattern
+    _require(has_experts or not megatron.num_moe_experts, "policy.megatron_cfg.num_moe_experts", megatron.num_moe_experts,
+             f"model_class=hybrid puts experts in E layers only, and hybrid_layer_pattern={pattern!r} has none")  # fmt: skip
+    _require(not has_experts or megatron.num_moe_experts, key, pattern, "E (mixture of experts) layers need policy.megatron_cfg.num_moe_experts > 0")
+    _require(
+        "E" not in decoder_layers or all("E" in depth for depth in mtp_depths),
+        key,
+        pattern,
+        "with E layers in the decoder every MTP layer needs one too (megatron's router metrics count one MoE layer per MTP "
+        "depth, as a GPTModel with experts has)",
+    )
+    pipeline = megatron.pipeline_model_parallel_size
+    _require(
+        len(stages) == pipeline and len({len(stage) for stage in stages}) == 1,
+        key,
+        pattern,
+        f"has {len(stages)} pipeline stage(s) of {'+'.join(str(len(stage)) for stage in stages)} layers; "
+        f"pipeline_model_parallel_size={pipeline} needs {pipeline} of equal length, separated by '|' (megatron's inference "
+        "context gives every stage num_layers / stages layers)",
+    )
+    gpu_only = [name for symbol, name in HYBRID_GPU_ONLY_LAYERS.items() if symbol in pattern]
+    _require(
+        not gpu_only or (cfg.cluster.gpus_per_worker > 0 and megatron.transformer_impl != "local"),
+        key,
+        pattern,
+        f"{' and '.join(gpu_only)} layers need CUDA kernels and transformer_engine, so GPU workers (cluster.gpus_per_worker=1, "
+        "transformer_impl auto or transformer_engine); on the CPU use *, - and E layers",
+    )
+
+
 def _validate_task(cfg: DictConfig) -> None:
     """The environment, where its prompts come from, and the tokenizer it needs."""
     env, data, grpo = cfg.env, cfg.data, cfg.grpo
@@ -433,15 +514,18 @@ def _validate_speculation(generation) -> None:
 
 def _check_installed_release(policy) -> None:
     """What the config asks of the installed megatron-core (MTP features, MTP loss types, the
-    MoE loss normalisation, speculation): checked here, once per config, so every entry point
-    (the GRPO driver, benchmarks, tests) refuses it in one line before any model is built."""
+    MoE loss normalisation, HybridModel, speculation): checked here, once per config, so every entry
+    point (the GRPO driver, benchmarks, tests) refuses it in one line before any model is built."""
     from nemo_rl_mtp.models.generation.speculation import check_speculation_supported
     from nemo_rl_mtp.models.megatron.compat import check_mtp_features_supported
+    from nemo_rl_mtp.models.megatron.hybrid import check_hybrid_supported
     from nemo_rl_mtp.models.megatron.moe import check_moe_supported
 
     try:
         check_mtp_features_supported(policy.megatron_cfg)
         check_moe_supported(policy.megatron_cfg)
+        if policy.megatron_cfg.model_class == "hybrid":
+            check_hybrid_supported()
         check_speculation_supported(policy.generation, policy.megatron_cfg)
     except ConfigError:
         raise
@@ -500,6 +584,14 @@ def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
     for override in overrides:
         if "=" not in override or override.startswith("="):
             raise ConfigError(f"override {override!r} is not of the form key=value")
+    for override in overrides:  # one at a time, to name the one that is not YAML
+        try:
+            yaml.safe_load(override.split("=", 1)[1])
+        except yaml.YAMLError as error:
+            raise ConfigError(
+                f"override {override!r}: its value is not YAML ({getattr(error, 'problem', None) or error}); quote it, "
+                f"e.g. {override.split('=', 1)[0]}='\"{override.split('=', 1)[1]}\"'"
+            ) from None
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as error:

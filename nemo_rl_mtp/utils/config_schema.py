@@ -40,6 +40,8 @@ class MegatronConfig:
     position_embedding_type: Optional[str]
     rotary_base: int
     share_embeddings_and_output_weights: bool
+    model_class: str
+    hybrid_layer_pattern: Optional[str]
     hidden_dropout: float
     attention_dropout: float
     recompute_granularity: Optional[str]

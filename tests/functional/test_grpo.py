@@ -25,6 +25,10 @@ SMALL = SMALL_GRPO_STEP
 MOE_RECIPE = REPO_ROOT / "examples" / "configs" / "grpo_mtp_moe_tiny_cpu.yaml"
 POLICY_MOVES_RECIPE = REPO_ROOT / "examples" / "configs" / "grpo_mtp_policy_moves_tiny_cpu.yaml"
 STEPS = 3
+HYBRID_MOE = [
+    "--config", str(MOE_RECIPE), "policy.megatron_cfg.model_class=hybrid", "policy.megatron_cfg.num_layers=4",
+    "policy.megatron_cfg.hybrid_layer_pattern='*E*E/*E'",
+]  # fmt: skip
 # Wall-clock dependent: not expected to agree between runs.
 TIMING_KEYS = ("timing/", "rollout/tokens_per_s")
 
@@ -68,6 +72,9 @@ def runs(tmp_path_factory):
             "--config", str(POLICY_MOVES_RECIPE), "grpo.warmup_imitation_steps=2", "policy.mtp_frozen_during_rl=true", *quiet,
         ],  # fmt: skip
         "cross_entropy": ["policy.megatron_cfg.mtp_loss_type=cross_entropy", *quiet],
+        # model_class=hybrid: the MoE recipe as a HybridModel (attention, MoE; the MTP layer likewise),
+        # sampled rollouts drafting one token.
+        "hybrid_moe": [*HYBRID_MOE, *one_draft, *quiet],
     }
     from nemo_rl_mtp.distributed.ray_cluster import init_ray
     from nemo_rl_mtp.utils.config import load_config
@@ -78,6 +85,11 @@ def runs(tmp_path_factory):
         argv = [*SMALL, f"grpo.max_num_steps={STEPS}", f"logger.log_dir={log_dir}", f"logger.run_name={name}", *overrides]
         assert run_grpo.main(argv) == 0, name
         results[name] = log_dir / name
+    # The same hybrid run stopped after its next-to-last step and resumed from its checkpoint.
+    for steps in (STEPS - 1, STEPS):
+        argv = [*SMALL, f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}", "logger.run_name=hybrid_moe_resumed", *configs["hybrid_moe"]]
+        assert run_grpo.main(argv) == 0, f"hybrid_moe_resumed, {steps} steps"
+    results["hybrid_moe_resumed"] = log_dir / "hybrid_moe_resumed"
     yield results
     import ray
 
@@ -88,7 +100,7 @@ def _mtp_keys(row: dict) -> set[str]:
     return {key for key in row if key.startswith("train/mtp/")}
 
 
-@pytest.mark.parametrize("name, layers", [("mtp1", 1), ("mtp2", 2)])
+@pytest.mark.parametrize("name, layers", [("mtp1", 1), ("mtp2", 2), ("hybrid_moe", 1)])
 def test_mtp_metrics_logged_every_step(runs, name, layers):
     rows = read_metrics(runs[name] / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(STEPS))
@@ -156,10 +168,21 @@ def test_auto_logs_its_choice_and_the_tokens_per_second_behind_it(runs):
         assert ("rollout/draft_1_proposed" in row) == (k == 1.0)
 
 
-def test_moe_recipe_trains_the_mtp_head_and_logs_the_router_loss(runs):
-    for row in read_metrics(runs["moe_greedy"] / "metrics.jsonl"):
+@pytest.mark.parametrize("name", ["moe_greedy", "hybrid_moe"])
+def test_moe_recipe_trains_the_mtp_head_and_logs_the_router_loss(runs, name):
+    for row in read_metrics(runs[name] / "metrics.jsonl"):
         assert row["train/moe/load_balancing_loss"] > 0
         assert row["train/mtp/mtp_1_loss"] > 0 and row["train/mtp/grad_norm"] > 0
+
+
+def test_a_hybrid_run_resumed_from_its_checkpoint_gives_the_uninterrupted_metrics(runs):
+    """model_class=hybrid through a checkpoint: weights, optimizer, RNG and sampler come back (the
+    first half validates once more at its end, so validation is left out of the comparison)."""
+    ignored = (*TIMING_KEYS, "val/")
+    rows = [read_metrics(runs[name] / "metrics.jsonl") for name in ("hybrid_moe", "hybrid_moe_resumed")]
+    comparable = [[{key: value for key, value in row.items() if not key.startswith(ignored)} for row in run] for run in rows]
+    assert [row["step"] for row in rows[1]] == list(range(STEPS))
+    assert comparable[1] == comparable[0]
 
 
 def test_frozen_heads_log_their_metrics_and_get_no_gradient_while_the_policy_moves(runs):
@@ -238,6 +261,10 @@ def test_plot_of_a_run(runs, tmp_path):
         (["policy.megatron_cfg.mtp_num_layers=1", "policy.generation.num_speculative_tokens=2"], "at most 1 draft"),
         (["cluster.cpus_per_worker=4096"], "cluster.workers_per_node=1: needs 4096 CPUs"),
         (["logger.log_dir=/proc/nemo_rl_mtp_logs"], "logger.log_dir=/proc/nemo_rl_mtp_logs: not writable"),
+        (
+            [*HYBRID_MOE[2:4], "policy.megatron_cfg.hybrid_layer_pattern='M*M-/*-'"],
+            "policy.megatron_cfg.hybrid_layer_pattern='M*M-/*-': Mamba (mamba_ssm, causal-conv1d) layers need CUDA kernels",
+        ),
     ],
 )
 def test_bad_config_is_rejected_before_any_worker(overrides, named, capsys):
@@ -245,7 +272,9 @@ def test_bad_config_is_rejected_before_any_worker(overrides, named, capsys):
     assert named in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("recipe", ["grpo_mtp_deepseek_v3_style_gpu.yaml", "grpo_mtp_nemotron3_super_style_gpu.yaml"])
+@pytest.mark.parametrize(
+    "recipe", ["grpo_mtp_deepseek_v3_style_gpu.yaml", "grpo_mtp_nemotron3_super_style_gpu.yaml", "grpo_mtp_nemotron3_super_style_hybrid_gpu.yaml"]
+)
 def test_gpu_recipes_load_and_are_refused_without_gpus(recipe, capsys):
     import torch
 

@@ -25,7 +25,7 @@ import torch
 
 from nemo_rl_mtp.models.generation import adaptive_speculation, engine_bookkeeping, engine_compat, incremental_drafts, sequence_drafts
 from nemo_rl_mtp.models.generation.speculation import speculation_counts
-from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime
+from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime, hybrid
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
 from nemo_rl_mtp.models.megatron.vocabulary import mask_ids_past_vocabulary
 from nemo_rl_mtp.utils.config_schema import GenerationConfig, PolicyConfig
@@ -148,6 +148,7 @@ def build_engine(model, policy_cfg: PolicyConfig, num_speculative_tokens: int):
         max_tokens=sizing.max_tokens,
         max_sequence_length=policy_cfg.max_total_sequence_length,
         num_speculative_tokens=num_speculative_tokens,
+        **hybrid.mamba_inference_state(model),  # Mamba layers' states (model_class=hybrid, GPU)
     )
     with cpu_runtime.device_scope():
         context = DynamicInferenceContext(model.config, inference_config)

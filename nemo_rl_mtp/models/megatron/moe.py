@@ -177,6 +177,7 @@ def get_moe_metrics(config, num_microbatches: int, global_statistics: bool) -> d
         iteration=0,
         total_loss_dict=losses,
         num_layers=config.num_layers,
+        moe_layer_freq=config.moe_layer_freq,  # a hybrid model's E layers (hybrid.transformer_config_kwargs)
         mtp_num_layers=config.mtp_num_layers,
     )
     return {f"moe/{name}": float(value) for name, value in losses.items()}

@@ -1,7 +1,7 @@
-"""Build a megatron-core GPTModel (with its MTP block), DDP wrapper and optimizer from
-``policy.megatron_cfg``: its architecture from the architecture keys (a model built from scratch)
-or from a Hugging Face checkpoint (``policy.model_name``, through megatron-bridge, weights loaded),
-its training settings from the config in both cases."""
+"""Build a megatron-core GPTModel or HybridModel (``model_class``, with its MTP block), DDP wrapper
+and optimizer from ``policy.megatron_cfg``: its architecture from the architecture keys (a model
+built from scratch) or from a Hugging Face checkpoint (``policy.model_name``, through
+megatron-bridge, weights loaded), its training settings from the config in both cases."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from nemo_rl_mtp.models.megatron import compat, cpu_runtime, hf_checkpoint, moe
+from nemo_rl_mtp.models.megatron import compat, cpu_runtime, hf_checkpoint, hybrid, moe
 from nemo_rl_mtp.models.megatron.hf_checkpoint import ModelArchitecture
 from nemo_rl_mtp.models.megatron.packed_attention import PackedSequenceDotProductAttention
 
@@ -73,6 +73,8 @@ def build_transformer_config(megatron_cfg, architecture: Optional[ModelArchitect
     config_kwargs.update(training_settings(megatron_cfg))
     _apply_mtp_config(config_kwargs, megatron_cfg)
     config_kwargs.update(moe.moe_config_kwargs(megatron_cfg))
+    if megatron_cfg.model_class == "hybrid":
+        config_kwargs.update(hybrid.transformer_config_kwargs(megatron_cfg))
     config_class = architecture.config_class if architecture is not None else TransformerConfig
     return config_class(**config_kwargs)
 
@@ -207,16 +209,11 @@ def build_model(
     max_sequence_length: int,
     architecture: Optional[ModelArchitecture] = None,
 ) -> tuple[DistributedDataParallel, str]:
-    """The GPTModel, DDP-wrapped; an imported ``architecture`` gives the output layer's size and
-    the position-embedding arguments, else the config's keys do (``vocab_size`` padded to the
-    tensor-parallel size)."""
+    """The GPTModel or HybridModel (``model_class``), DDP-wrapped; an imported ``architecture``
+    gives the output layer's size and the position-embedding arguments, else the config's keys do
+    (``vocab_size`` padded to the tensor-parallel size)."""
     transformer_impl = resolve_transformer_impl(megatron_cfg.transformer_impl)
     layer_spec = build_layer_spec(transformer_impl, config)
-    mtp_block_spec = None
-    if mtp_enabled(config):
-        mtp_block_spec = get_gpt_mtp_block_spec(
-            config, layer_spec, use_transformer_engine=transformer_impl == "transformer_engine"
-        )
     if architecture is not None:
         model_kwargs = dict(architecture.model_kwargs, vocab_size=architecture.padded_vocab_size)
     else:
@@ -226,16 +223,21 @@ def build_model(
             position_embedding_type=megatron_cfg.position_embedding_type,
             rotary_base=megatron_cfg.rotary_base,
         )
+    model_kwargs.update(
+        max_sequence_length=max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
     with cpu_runtime.device_scope():  # construction moves tied embeddings with .cuda() under PP
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec,
-            max_sequence_length=max_sequence_length,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-            mtp_block_spec=mtp_block_spec,
-            **model_kwargs,
-        )
+        if megatron_cfg.model_class == "hybrid":
+            pattern = megatron_cfg.hybrid_layer_pattern
+            stack_spec = hybrid.hybrid_stack_spec(transformer_impl, config, layer_spec, pattern)
+            model = hybrid.build_hybrid_model(config, stack_spec, pattern, **model_kwargs)
+        else:
+            mtp_block_spec = None
+            if mtp_enabled(config):
+                mtp_block_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=transformer_impl == "transformer_engine")
+            model = GPTModel(config=config, transformer_layer_spec=layer_spec, mtp_block_spec=mtp_block_spec, **model_kwargs)
     if cpu_runtime.cuda_available():
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
@@ -244,8 +246,10 @@ def build_model(
     with cpu_runtime.device_scope():
         ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     logger.info(
-        "built GPTModel (%s spec): %d parameters, MTP layers: %s, experts per MoE layer: %s",
+        "built %s (%s spec%s): %d parameters, MTP layers: %s, experts per MoE layer: %s",
+        type(model).__name__,
         transformer_impl,
+        f", layers {megatron_cfg.hybrid_layer_pattern!r}" if megatron_cfg.model_class == "hybrid" else "",
         sum(p.numel() for p in model.parameters()),
         config.mtp_num_layers or 0,
         config.num_moe_experts or "none (dense)",

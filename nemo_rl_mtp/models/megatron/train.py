@@ -440,9 +440,14 @@ def mtp_draft_terms(
     Normalised as megatron normalises its cross entropy: depth k of L weighs
     (mtp_loss_scaling_factor / L) * N_0 / N_k per microbatch and each target its mask value, and
     megatron's tracker logs the depth's loss as the microbatch's mask-weighted mean."""
-    if draft_logits is None or not draft_logits.logits:
+    if draft_logits is None or not (draft_logits.logits or draft_logits.keep_graph):
         return logits, {}
     targets: MTPTargets = draft_logits.targets
+    if len(draft_logits.logits) != len(targets):  # the model class's MTP loss call was not wrapped
+        raise RuntimeError(
+            f"{len(draft_logits.logits)} of {len(targets)} MTP depths reached the MTP loss substitute in this forward, so "
+            f"mtp_loss_type={loss_type} would train nothing; check the mtp_loss_callable compat shim's log line at model setup"
+        )
     num_layers = len(draft_logits.logits)
     sums, total_loss = {}, None
     for depth, depth_logits in enumerate(draft_logits.logits):

@@ -87,6 +87,23 @@ def test_recipe_inherits_through_defaults(tmp_path):
             "env.name=math policy.model_name=x grpo.warmup_distractor_task=sort grpo.warmup_distractor_fraction=0.5",
             "grpo.warmup_distractor_task='sort': distractor demonstrations are digit tasks' answers; env.name=math has none",
         ),
+        # model_class=hybrid: the layer pattern against the other keys, and the CPU.
+        ("policy.megatron_cfg.model_class=hybrid", "policy.megatron_cfg.hybrid_layer_pattern=None: model_class=hybrid needs a layer pattern"),
+        ('policy.megatron_cfg.hybrid_layer_pattern="*-*-/*-"', "policy.megatron_cfg.hybrid_layer_pattern='*-*-/*-': only model_class=hybrid reads"),
+        ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="M*M-/*-"', "policy.megatron_cfg.hybrid_layer_pattern='M*M-/*-': Mamba (mamba_ssm, causal-conv1d) layers need CUDA kernels"),
+        ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="G*G-/*-"', "policy.megatron_cfg.hybrid_layer_pattern='G*G-/*-': GatedDeltaNet (fla) layers need CUDA kernels"),
+        ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*X*-/*-"', "policy.megatron_cfg.hybrid_layer_pattern='*X*-/*-': ['X'] not layer symbols"),
+        ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*-*-*-/*-"', "policy.megatron_cfg.num_layers=4: hybrid_layer_pattern='*-*-*-/*-' has 6 decoder layers"),
+        ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*-*-"', "policy.megatron_cfg.hybrid_layer_pattern='*-*-': 0 MTP layer pattern(s) after '/', but policy.megatron_cfg.mtp_num_layers=1"),
+        ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*E*E/*E"', "policy.megatron_cfg.hybrid_layer_pattern='*E*E/*E': E (mixture of experts) layers need"),
+        (
+            'policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*E*E/*-" '
+            "policy.megatron_cfg.num_moe_experts=4",
+            "policy.megatron_cfg.hybrid_layer_pattern='*E*E/*-': with E layers in the decoder every MTP layer needs one too",
+        ),
+        ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern="*-*-/*-" policy.megatron_cfg.num_moe_experts=4', "policy.megatron_cfg.num_moe_experts=4: model_class=hybrid puts experts in E layers only"),
+        ("policy.megatron_cfg.model_class=hybrid policy.model_name=x", "policy.megatron_cfg.model_class='hybrid': builds a model from hybrid_layer_pattern; policy.model_name=x"),
+        ('policy.megatron_cfg.model_class=hybrid policy.megatron_cfg.num_layers=4 policy.megatron_cfg.hybrid_layer_pattern=*-*-/*-', "override 'policy.megatron_cfg.hybrid_layer_pattern=*-*-/*-': its value is not YAML"),
         # Measured: layers 10-20 logged loss 0.0 and acceptance 0% at every step, without a word.
         ("policy.megatron_cfg.mtp_num_layers=20", "MTP layers 10-20 would never get a target; use at most 9"),
     ],

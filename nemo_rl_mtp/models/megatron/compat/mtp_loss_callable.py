@@ -9,8 +9,9 @@ callable of ours (``substituted_mtp_loss``): it may record the logits, then retu
 entropy unchanged or a loss of its own. In RL mode (``labels=None``) the MTP losses are the only
 callers of ``compute_language_model_loss`` within a forward.
 
-Shim: ``GPTModel.compute_language_model_loss`` is wrapped; outside ``substituted_mtp_loss`` (and
-inside, for a call that finds no substitute) it is the original call. Every release the project
+Shim: ``compute_language_model_loss`` of GPTModel and of HybridModel (where the release has it;
+both inherit it from ``LanguageModule``) is wrapped; outside ``substituted_mtp_loss`` (and inside,
+for a call that finds no substitute) it is the original call. Every release the project
 supports passes the bound method as ``process_mtp_loss``'s ``compute_language_model_loss`` (the
 back-port too), which the probe checks by signature.
 """
@@ -55,16 +56,35 @@ def unsupported_reason() -> str | None:
     return None if reachable else reason
 
 
+def model_classes() -> list[type]:
+    """The model classes whose forward hands ``process_mtp_loss`` their ``compute_language_model_loss``:
+    GPTModel, and HybridModel where the release has it (``model_class: hybrid``)."""
+    classes = [gpt_model.GPTModel]
+    try:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:  # releases before megatron.core.models.hybrid
+        return classes
+    return classes + [HybridModel]
+
+
+def _is_wrapped(model_class: type) -> bool:
+    return is_shim(vars(model_class).get("compute_language_model_loss"))
+
+
 def is_applied() -> bool:
-    return is_shim(vars(gpt_model.GPTModel).get("compute_language_model_loss"))
+    return all(_is_wrapped(model_class) for model_class in model_classes())
 
 
 def apply() -> str:
     if is_applied():
         return "already installed (idempotent)"
-    original = gpt_model.GPTModel.compute_language_model_loss
-    gpt_model.GPTModel.compute_language_model_loss = mark_shim(substitutable(original), original)
-    return "GPTModel.compute_language_model_loss: substitutable for one forward (MTP logits next to the policy's)"
+    wrapped = []
+    for model_class in model_classes():
+        if not _is_wrapped(model_class):
+            original = model_class.compute_language_model_loss
+            model_class.compute_language_model_loss = mark_shim(substitutable(original), original)
+            wrapped.append(model_class.__name__)
+    return f"{' and '.join(wrapped)}.compute_language_model_loss: substitutable for one forward (MTP logits next to the policy's)"
 
 
 def substitutable(original):

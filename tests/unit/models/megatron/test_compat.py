@@ -14,7 +14,7 @@ from megatron.core.transformer import multi_token_prediction as mtp_module
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper, MultiTokenPredictionLayer
 
 from nemo_rl_mtp.models.megatron import compat
-from nemo_rl_mtp.models.megatron.compat import recompute
+from nemo_rl_mtp.models.megatron.compat import mtp_loss_callable, recompute
 from nemo_rl_mtp.models.megatron.compat._marks import is_shim
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorker
@@ -74,7 +74,8 @@ SHIM_TARGETS = {
     "rl_labels": [(gpt_model.GPTModel, "_postprocess"), (gpt_model, "process_mtp_loss")],
     "grad_scale": [(schedules, "forward_step_calc_loss")],
     "recompute": [(MultiTokenPredictionLayer, "_checkpointed_forward")],
-    "mtp_loss_callable": [(gpt_model.GPTModel, "compute_language_model_loss")],
+    # GPTModel, and HybridModel where the release has it (model_class: hybrid).
+    "mtp_loss_callable": [(model_class, "compute_language_model_loss") for model_class in mtp_loss_callable.model_classes()],
 }
 _MISSING = object()
 
