@@ -86,7 +86,7 @@ def test_the_rewind_patch_switches_itself_off_where_upstream_changed(monkeypatch
 
 def test_every_private_engine_name_the_speculation_path_needs_is_in_the_installed_release():
     policy, cfg = make_policy(**engine_overrides(2, 2))
-    assert engine_compat.changed_names(RolloutEngine(policy, cfg).engine) == []
+    assert engine_compat.changed_names(RolloutEngine(policy, cfg).engine, cfg.generation) == []
 
 
 @pytest.mark.parametrize(
