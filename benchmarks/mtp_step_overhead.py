@@ -1,5 +1,7 @@
 """Step time with MTP on vs off on the tiny CPU model, as ratios measured side by side in one run,
-next to the ratio of their FLOPs (counted by torch's FlopCounterMode on one step of each).
+next to the ratio of their FLOPs (counted by torch's FlopCounterMode on one step of each). MTP on
+is measured with each ``mtp_loss_type`` and with heads frozen for RL (``mtp_frozen_during_rl``);
+the headline ratio is the configured one's (the exemplar's default unless overridden).
 
     uv run python benchmarks/mtp_step_overhead.py [--steps 20] [key=value ...]
 """
@@ -22,6 +24,7 @@ from nemo_rl_mtp.utils.config import load_config
 
 VOCAB_SIZE = 32
 LOSS = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.0)
+LOSS_TYPES = ("cross_entropy", "soft_cross_entropy", "total_variation")
 
 
 def main() -> None:
@@ -37,9 +40,16 @@ def main() -> None:
     seq_length, prompt_length = base.policy.max_total_sequence_length, 8
     response_lengths = torch.randint(2, seq_length - prompt_length + 1, (base.policy.train_global_batch_size,), generator=generator)
     batch = synthetic_rl_batch(response_lengths.tolist(), VOCAB_SIZE, prompt_length, seq_length)
+    on = [f"policy.megatron_cfg.mtp_num_layers={args.mtp_layers}"]
+    configured = f"mtp_on ({base.policy.megatron_cfg.mtp_loss_type})"
+    variant_overrides = {"mtp_off": ["policy.megatron_cfg.mtp_num_layers=0"], configured: on}
+    for loss_type in LOSS_TYPES:
+        if loss_type != base.policy.megatron_cfg.mtp_loss_type:
+            variant_overrides[f"mtp_on ({loss_type})"] = [*on, f"policy.megatron_cfg.mtp_loss_type={loss_type}"]
+    variant_overrides["mtp_on (frozen)"] = [*on, "policy.mtp_frozen_during_rl=true"]
     variants = {}
-    for name, mtp_layers in (("mtp_off", 0), ("mtp_on", args.mtp_layers)):
-        cfg = load_config(overrides=[*args.overrides, f"policy.megatron_cfg.mtp_num_layers={mtp_layers}"])
+    for name, overrides in variant_overrides.items():
+        cfg = load_config(overrides=[*args.overrides, *overrides])
         variants[name] = (setup_megatron_policy(cfg.policy, VOCAB_SIZE), cfg.policy)
 
     def step(name: str) -> float:
@@ -56,15 +66,20 @@ def main() -> None:
             step(name)
         flops[name] = counter.get_total_flops()
     times = {name: [] for name in variants}
-    for _ in range(args.steps):  # interleaved, so drift in machine load hits both alike
+    for _ in range(args.steps):  # interleaved, so drift in machine load hits every variant alike
         for name in variants:
             times[name].append(step(name))
     median = {name: statistics.median(values) for name, values in times.items()}
     print(f"steps per variant: {args.steps}, global batch {base.policy.train_global_batch_size} x {base.policy.max_total_sequence_length} tokens")
+    print(f"{'variant':30s} {'median step':>12s} {'GFLOP/step':>11s} {'time ratio':>11s} {'FLOPs ratio':>12s} {'time / FLOPs ratio':>19s}")
     for name in variants:
-        print(f"{name:8s} median step {median[name] * 1e3:8.1f} ms   FLOPs/step {flops[name] / 1e9:8.3f} GFLOP")
-    print(f"step-time ratio (MTP on / off, {args.mtp_layers} MTP layer(s)): {median['mtp_on'] / median['mtp_off']:.3f}")
-    print(f"FLOPs ratio     (MTP on / off): {flops['mtp_on'] / flops['mtp_off']:.3f}")
+        time_ratio, flops_ratio = median[name] / median["mtp_off"], flops[name] / flops["mtp_off"]
+        print(
+            f"{name:30s} {median[name] * 1e3:9.1f} ms {flops[name] / 1e9:11.3f} {time_ratio:11.3f} {flops_ratio:12.3f} "
+            f"{time_ratio / flops_ratio:19.3f}"
+        )
+    print(f"step-time ratio (MTP on / off, {args.mtp_layers} MTP layer(s), {configured}): {median[configured] / median['mtp_off']:.3f}")
+    print(f"FLOPs ratio     (MTP on / off): {flops[configured] / flops['mtp_off']:.3f}")
 
 
 if __name__ == "__main__":

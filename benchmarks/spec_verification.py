@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from omegaconf import read_write
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from nemo_rl_mtp.algorithms.grpo import grpo_train, latest_checkpoint  # noqa: E402
 from nemo_rl_mtp.data.tokenizer import DigitTokenizer  # noqa: E402
 from nemo_rl_mtp.distributed.ray_cluster import shutdown_ray  # noqa: E402
-from nemo_rl_mtp.environments.digit_tasks import DigitTaskEnvironment  # noqa: E402
+from nemo_rl_mtp.environments.digit_tasks import DigitTaskPrompts  # noqa: E402
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine  # noqa: E402
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics  # noqa: E402
 from nemo_rl_mtp.models.megatron.checkpoint import load_policy  # noqa: E402
@@ -147,8 +146,7 @@ def main() -> None:
         initialize_model_parallel(cfg.policy.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{free_port()}")
         policy = setup_megatron_policy(cfg.policy, TOKENIZER.vocab_size)
         load_policy(policy, latest_checkpoint(cfg))
-    env = DigitTaskEnvironment(cfg.env, TOKENIZER)
-    prompts = [TOKENIZER.encode_prompt(digits) for digits in env.sample_prompts(args.prompts, torch.Generator().manual_seed(1))]
+    prompts = [prompt.prompt_ids for prompt in DigitTaskPrompts(cfg.env, TOKENIZER, seed=1).next_prompts(args.prompts)]
     results = measure(policy, cfg, prompts)
     report(results, trained)
     plot(results, args.output)

@@ -126,24 +126,39 @@ def recompute_sampler(
 def eval_forward_logits(policy, tokens: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The policy's logits [B, S, V] and each MTP depth's [B, S, V], from one eval-mode forward of
     megatron's GPTModel over plain rows (the MTP block's own output, through the output layer)."""
+    policy.model.module.eval()
+    try:
+        with torch.no_grad():
+            return forward_logits(policy, tokens, loss_mask.float())
+    finally:
+        policy.model.module.train()
+
+
+def forward_logits(policy, tokens: torch.Tensor, loss_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward of megatron's GPTModel over plain rows, in the model's current mode and grad
+    mode: the policy's logits [B, S, V] and each MTP depth's [B, S, V] (the MTP block's output
+    through the output layer, with the weight megatron's MTP loss uses: the shared embedding when
+    tied, detached for detached heads)."""
+    from nemo_rl_mtp.models.megatron import cpu_runtime
     from nemo_rl_mtp.models.megatron.data import causal_attention_mask
 
     model = policy.model.module
     rows, length = tokens.shape
     captured = []
     hook = model.mtp.register_forward_hook(lambda module, inputs, output: captured.append(output))
-    model.eval()
     try:
-        with torch.no_grad():
+        with cpu_runtime.device_scope():
             logits = model(
                 input_ids=tokens,
                 position_ids=torch.arange(length).expand(rows, length),
                 attention_mask=causal_attention_mask(length),
                 labels=None,
-                loss_mask=loss_mask.float(),
+                loss_mask=loss_mask,
             )
-            depths = captured[0].chunk(1 + model.config.mtp_num_layers, dim=0)[1:]
-            return logits, [model.output_layer(hidden)[0].transpose(0, 1) for hidden in depths]
     finally:
-        model.train()
         hook.remove()
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
+    if getattr(model.config, "mtp_detach_heads", False):  # a field since megatron-core 0.19
+        weight = weight.detach()
+    depths = captured[0].chunk(1 + model.config.mtp_num_layers, dim=0)[1:]
+    return logits, [model.output_layer(hidden, weight=weight)[0].transpose(0, 1) for hidden in depths]

@@ -21,14 +21,14 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf, read_write
 
-from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn, loss_sample_weights
-from nemo_rl_mtp.data.demonstrations import prompt_demonstrations
+from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn, k3_kl, loss_sample_weights
+from nemo_rl_mtp.data.demonstrations import prompt_demonstrations, warmup_tasks
 from nemo_rl_mtp.data.interfaces import PromptSource, TaskPrompt
 from nemo_rl_mtp.data.tokenizer import load_tokenizer
 from nemo_rl_mtp.environments import setup_task
 from nemo_rl_mtp.environments.interfaces import EnvironmentInterface
 from nemo_rl_mtp.models.generation.speculation import check_speculation_supported, speculation_metrics
-from nemo_rl_mtp.utils.checkpoint import CheckpointDirectory
+from nemo_rl_mtp.utils.checkpoint import PARTIAL_SUFFIX, CheckpointDirectory
 from nemo_rl_mtp.utils.config import EXEMPLAR_CONFIG, ConfigError, resolve_checkpoint_keys
 from nemo_rl_mtp.utils.config_schema import GRPOConfig, LoggerConfig, MasterConfig
 from nemo_rl_mtp.utils.logger import Logger, read_metrics
@@ -197,6 +197,8 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
         if resume_from is not None:
             policy.load_checkpoint(resume_from)
         warmup = warm_up(cfg, policy, prompts, tokenizer.pad_id) if resume_from is None else {}
+        if cfg.grpo.log_kl_to_start_of_rl:
+            keep_start_of_rl_policy(cfg, policy, checkpoints, resumed=resume_from is not None)
         log = Logger(cfg.logger, run_dir, cfg, cfg.grpo.max_num_steps, trainer_state["steps_done"], trainer_state["wandb_run_id"])
         for step in range(trainer_state["steps_done"], cfg.grpo.max_num_steps):
             metrics = grpo_step(cfg, step, policy, prompts, env, tokenizer, loss_fn)
@@ -220,6 +222,28 @@ def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, flo
 
 
 TRAINER_STATE = "trainer_state.pt"
+START_OF_RL = "start_of_rl"
+
+
+def keep_start_of_rl_policy(cfg: MasterConfig, policy, checkpoints: CheckpointDirectory, resumed: bool) -> None:
+    """The policy GRPO starts from, for ``train/kl_to_start``: kept by the workers, and saved
+    once next to the checkpoints (written as ``.partial``, renamed when complete), from where a
+    resumed run reads it back."""
+    directory = checkpoints.root / START_OF_RL
+    if resumed:
+        if not directory.is_dir():
+            raise ConfigError(f"grpo.log_kl_to_start_of_rl=true: {directory} is missing, so the policy this run started from is unknown")
+        policy.load_start_of_rl_weights(directory)
+        return
+    if not cfg.checkpointing.enabled:
+        policy.keep_start_of_rl_weights(None)
+        return
+    partial = directory.with_name(directory.name + PARTIAL_SUFFIX)
+    for stale in (partial, directory):
+        if stale.exists():
+            shutil.rmtree(stale)
+    policy.keep_start_of_rl_weights(partial)
+    os.rename(partial, directory)
 
 
 def _prompt_source_state(trainer_state: dict) -> dict:
@@ -318,11 +342,16 @@ def _leaves(config) -> dict:
 
 def warm_up(cfg: MasterConfig, policy, prompts: PromptSource, pad_id: int) -> dict[str, float]:
     """``grpo.warmup_imitation_steps`` imitation steps, each on the correct answers to one global
-    batch of training prompts; the last step's metrics as ``warmup/...``."""
+    batch of training prompts (a ``grpo.warmup_distractor_fraction`` of them answering
+    ``grpo.warmup_distractor_task`` instead); the last step's metrics as ``warmup/...``."""
     metrics, start = {}, time.perf_counter()
-    for _ in range(cfg.grpo.warmup_imitation_steps):
-        batch = prompt_demonstrations(prompts.next_prompts(cfg.policy.train_global_batch_size), pad_id)
-        metrics = policy.imitate(batch, cfg.grpo.warmup_lr)
+    grpo = cfg.grpo
+    for _ in range(grpo.warmup_imitation_steps):
+        batch_prompts = prompts.next_prompts(cfg.policy.train_global_batch_size)
+        if grpo.warmup_distractor_task is not None:  # a digit task's (validated)
+            tasks = warmup_tasks(cfg.env.task, grpo.warmup_distractor_task, grpo.warmup_distractor_fraction, len(batch_prompts), prompts.generator)
+            batch_prompts = [prompts.answered_as(prompt, task) for prompt, task in zip(batch_prompts, tasks)]
+        metrics = policy.imitate(prompt_demonstrations(batch_prompts, pad_id), grpo.warmup_lr)
     if not metrics:
         return {}
     acceptance = metrics.get("mtp_1_acceptance_rate")
@@ -372,6 +401,12 @@ def save_checkpoint(checkpoints: CheckpointDirectory, steps_done: int, policy, p
     return path
 
 
+def kl_on_tokens(logprobs: torch.Tensor, other_logprobs: torch.Tensor, token_mask: torch.Tensor) -> float:
+    """KL(policy || other) estimated on tokens the policy sampled: the mean over the masked tokens
+    of Schulman's k3, exp(r) - r - 1 with r = other - policy logprob (unbiased, never negative)."""
+    return float((k3_kl(logprobs, other_logprobs) * token_mask).sum() / token_mask.sum().clamp(min=1))
+
+
 def grpo_step(cfg: MasterConfig, step: int, policy, prompts: PromptSource, env: EnvironmentInterface, tokenizer, loss_fn) -> dict[str, float]:
     grpo = cfg.grpo
     group_size = grpo.num_generations_per_prompt
@@ -391,6 +426,9 @@ def grpo_step(cfg: MasterConfig, step: int, policy, prompts: PromptSource, env: 
     batch["prev_logprobs"] = policy.get_logprobs(batch)
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         batch["reference_logprobs"] = policy.get_reference_logprobs(batch)
+    kl_to_start = {}
+    if grpo.log_kl_to_start_of_rl:
+        kl_to_start["train/kl_to_start"] = kl_on_tokens(batch["prev_logprobs"], policy.get_start_of_rl_logprobs(batch), batch["token_mask"])
     timings["logprobs_s"] = time.perf_counter() - logprobs_start
 
     train_start = time.perf_counter()
@@ -417,6 +455,7 @@ def grpo_step(cfg: MasterConfig, step: int, policy, prompts: PromptSource, env: 
     for key in train_metrics[0]:
         metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
     metrics["train/optimizer_steps"] = float(len(train_metrics))
+    metrics.update(kl_to_start)
     metrics.update(speculation_metrics(generation))
     metrics.update({f"timing/{key}": value for key, value in timings.items()})
     return metrics

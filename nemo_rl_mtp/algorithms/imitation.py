@@ -1,6 +1,7 @@
 """Imitation steps: raise the likelihood of demonstrated answers with the policy's own training
 step (GRPO loss at advantage 1, on-policy, so the ratio is 1 and the clip never binds), MTP loss
-included. It gives the policy and its MTP heads a deterministic task to agree on, which tests and
+included (the heads learn with megatron's cross entropy, whatever ``mtp_loss_type`` GRPO uses). It
+gives the policy and its MTP heads a deterministic task to agree on, which tests and
 benchmarks of speculative rollouts need, in a few dozen steps on a CPU."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
 from nemo_rl_mtp.models.megatron.inference import compute_logprobs
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
-from nemo_rl_mtp.models.megatron.train import train_global_batch
+from nemo_rl_mtp.models.megatron.train import IMITATION, train_global_batch
 from nemo_rl_mtp.utils.config_schema import PolicyConfig
 
 IMITATION_LOSS = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.0)
@@ -21,6 +22,6 @@ def imitation_step(policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], 
     """One optimizer step towards the batch's answers; returns the training metrics, MTP loss and
     acceptance per layer included (``mtp_{i}_...``; the tracker is emptied)."""
     batch = {**batch, "prev_logprobs": compute_logprobs(policy, batch, policy_cfg)}
-    metrics, num_microbatches = train_global_batch(policy, batch, IMITATION_LOSS, policy_cfg)
+    metrics, num_microbatches = train_global_batch(policy, batch, IMITATION_LOSS, policy_cfg, IMITATION)
     metrics.update(get_mtp_metrics(num_microbatches))
     return metrics

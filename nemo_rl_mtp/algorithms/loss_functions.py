@@ -37,7 +37,7 @@ class ClippedPGLossFn:
         per_token = torch.maximum(unclipped, clipped)
         metrics = {"clip_fraction": _token_mean((clipped > unclipped).float(), mask, global_valid_tokens)}
         if self.reference_policy_kl_penalty > 0:
-            kl = _k3_kl(logprobs, inputs["reference_logprobs"])
+            kl = k3_kl(logprobs, inputs["reference_logprobs"])
             per_token = per_token + self.reference_policy_kl_penalty * kl
             metrics["kl"] = _token_mean(kl.detach(), mask, global_valid_tokens)
         loss = _token_mean(per_token, mask, global_valid_tokens)
@@ -51,7 +51,7 @@ def _token_mean(values: torch.Tensor, mask: torch.Tensor, global_valid_tokens: t
     return (values * mask).sum() / global_valid_tokens.clamp(min=1)
 
 
-def _k3_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
+def k3_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(policy || reference): exp(r) - r - 1, r = ref - policy."""
     log_ratio = reference_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1.0

@@ -40,3 +40,13 @@ def task_demonstrations(task: str, digit_prompts: list[list[int]], tokenizer) ->
     prompts = [prompt_ids(task, digits, tokenizer) for digits in digit_prompts]
     answers = [answer_ids(expected_answer(task, digits), tokenizer) for digits in digit_prompts]
     return demonstration_batch(prompts, answers, tokenizer.pad_id)
+
+
+def warmup_tasks(task: str, distractor_task: str | None, distractor_fraction: float, count: int, generator: torch.Generator) -> list[str]:
+    """The task each of ``count`` warm-start demonstrations answers: ``distractor_task`` with
+    probability ``distractor_fraction`` (drawn from ``generator``), else ``task``. Draws nothing
+    without a distractor, so such runs keep their random streams."""
+    if distractor_task is None or distractor_fraction == 0.0:
+        return [task] * count
+    draws = torch.rand(count, generator=generator)
+    return [distractor_task if draw < distractor_fraction else task for draw in draws.tolist()]

@@ -8,6 +8,8 @@ it, so every recipe runs on an imported model.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import torch
@@ -104,6 +106,11 @@ class DigitTaskPrompts(PromptSource):
 
     def next_prompts(self, num_prompts: int) -> list[TaskPrompt]:
         return [self.task_prompt(digits) for digits in self.sample_digits(num_prompts, self.generator)]
+
+    def answered_as(self, prompt: TaskPrompt, task: str) -> TaskPrompt:
+        """``prompt`` with ``task``'s answer as its demonstration: a warm start whose
+        demonstrations differ from what the reward asks for (``grpo.warmup_distractor_task``)."""
+        return dataclasses.replace(prompt, demonstration_ids=answer_ids(expected_answer(task, prompt.answer), self.tokenizer))
 
     def sample_digits(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
         """``num_prompts`` digit strings drawn from ``generator``, none of them held out."""

@@ -37,6 +37,8 @@ _CHOICES = {
     "env.name": {"digits", "math"},
     "env.task": {"reverse", "sort", "count_up"},
     "data.overlong_prompts": {"skip", "truncate"},
+    "grpo.warmup_distractor_task": {None, "reverse", "sort", "count_up"},
+    "policy.megatron_cfg.mtp_loss_type": {"cross_entropy", "soft_cross_entropy", "total_variation"},
     "logger.wandb.mode": {"auto", "online", "offline"},
     "cluster.gpus_per_worker": {0, 1},
     "cluster.worker_python": {"driver", "uv"},
@@ -51,6 +53,7 @@ _RANGES = {
     "grpo.max_num_steps": (0, True, None, False),
     "grpo.warmup_imitation_steps": (0, True, None, False),
     "grpo.warmup_lr": (0.0, False, None, False),
+    "grpo.warmup_distractor_fraction": (0.0, True, 1.0, True),
     "grpo.val_period": (1, True, None, False),
     "grpo.val_num_prompts": (1, True, None, False),
     "loss_fn.ratio_clip_min": (0.0, True, 1.0, False),
@@ -69,6 +72,8 @@ _RANGES = {
     "policy.megatron_cfg.num_query_groups": (1, True, None, False),
     "policy.megatron_cfg.rotary_base": (1, True, None, False),
     "policy.megatron_cfg.mtp_num_layers": (0, True, None, False),
+    "policy.megatron_cfg.hidden_dropout": (0.0, True, 1.0, False),
+    "policy.megatron_cfg.attention_dropout": (0.0, True, 1.0, False),
     "policy.megatron_cfg.mtp_loss_scaling_factor": (0.0, True, None, False),
     "policy.megatron_cfg.num_moe_experts": (0, True, None, False),
     "policy.megatron_cfg.moe_router_topk": (1, True, None, False),
@@ -266,6 +271,18 @@ def validate_config(cfg: DictConfig) -> None:
         megatron.sequence_parallel,
         "needs tensor_model_parallel_size > 1",
     )
+    _require(
+        megatron.mtp_loss_type == "cross_entropy" or megatron.context_parallel_size == 1,
+        "policy.megatron_cfg.mtp_loss_type",
+        megatron.mtp_loss_type,
+        "needs context_parallel_size=1 (the policy's prediction of a head's target may sit on another context-parallel rank)",
+    )
+    _require(
+        not policy.mtp_frozen_during_rl or megatron.mtp_num_layers > 0,
+        "policy.mtp_frozen_during_rl",
+        policy.mtp_frozen_during_rl,
+        "needs MTP heads (policy.megatron_cfg.mtp_num_layers > 0)",
+    )
     if megatron.context_parallel_size > 1:
         _require(
             megatron.transformer_impl == "transformer_engine" and policy.sequence_packing.enabled,
@@ -315,6 +332,12 @@ def _validate_grpo(cfg: DictConfig) -> None:
         grpo.num_prompts_per_step,
         f"must split evenly over the {data_parallel} data-parallel ranks that generate",
     )
+    _require(
+        (grpo.warmup_distractor_task is None) == (grpo.warmup_distractor_fraction == 0.0),
+        "grpo.warmup_distractor_fraction",
+        grpo.warmup_distractor_fraction,
+        f"must be > 0 exactly when grpo.warmup_distractor_task is set (it is {grpo.warmup_distractor_task!r})",
+    )
     _validate_task(cfg)
     generation = policy.generation
     _require(
@@ -359,7 +382,19 @@ def _validate_task(cfg: DictConfig) -> None:
             grpo.val_num_prompts,
             f"must hold out at most a quarter of the task's {prompt_space} prompts (env.min_digits..max_digits)",
         )
+        _require(
+            grpo.warmup_distractor_task != env.task,
+            "grpo.warmup_distractor_task",
+            grpo.warmup_distractor_task,
+            f"must differ from env.task={env.task!r}",
+        )
         return
+    _require(
+        grpo.warmup_distractor_task is None,
+        "grpo.warmup_distractor_task",
+        grpo.warmup_distractor_task,
+        f"distractor demonstrations are digit tasks' answers; env.name={env.name} has none",
+    )
     _require(
         cfg.policy.model_name is not None,
         "env.name",

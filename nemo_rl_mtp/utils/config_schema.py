@@ -40,6 +40,8 @@ class MegatronConfig:
     position_embedding_type: Optional[str]
     rotary_base: int
     share_embeddings_and_output_weights: bool
+    hidden_dropout: float
+    attention_dropout: float
     recompute_granularity: Optional[str]
     recompute_method: Optional[str]
     recompute_num_layers: Optional[int]
@@ -48,6 +50,7 @@ class MegatronConfig:
     mtp_loss_scaling_factor: float
     mtp_use_repeated_layer: bool
     mtp_detach_heads: bool
+    mtp_loss_type: str
     num_moe_experts: int
     moe_router_topk: int
     moe_ffn_hidden_size: Optional[int]
@@ -90,6 +93,7 @@ class PolicyConfig:
     train_micro_batch_size: int
     max_total_sequence_length: int
     mtp_loss_mask_policy: str
+    mtp_frozen_during_rl: bool
     sequence_packing: SequencePackingConfig
     generation: GenerationConfig
     megatron_cfg: MegatronConfig
@@ -104,6 +108,9 @@ class GRPOConfig:
     seed: int
     warmup_imitation_steps: int
     warmup_lr: float
+    warmup_distractor_task: Optional[str]
+    warmup_distractor_fraction: float
+    log_kl_to_start_of_rl: bool
     val_period: int
     val_num_prompts: int
 

@@ -32,6 +32,8 @@ SMALL = [
     "policy.generation.top_k=1",
     # The recipe's auto chooses k from measured step times; decode steps and draft counts follow k.
     "policy.generation.num_speculative_tokens=1",
+    # train/kl_to_start after a resume is measured against the saved start of RL, not the resume point.
+    "grpo.log_kl_to_start_of_rl=true",
 ]
 STEPS = 4
 # Wall-clock dependent: not expected to agree between runs.
@@ -108,17 +110,38 @@ def uninterrupted(log_dir) -> list[dict]:
     return read_metrics(log_dir / "uninterrupted" / "metrics.jsonl")
 
 
-def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted):
+# Sampled rollouts (temperature 1) and dropout in the training forwards: a resumed run is exact
+# only if every random state (torch's, megatron's RNG tracker) comes back with the checkpoint.
+SAMPLED_WITH_DROPOUT = ("policy.generation.top_k=0", "policy.megatron_cfg.hidden_dropout=0.1", "policy.megatron_cfg.attention_dropout=0.1")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_sampled(log_dir) -> list[dict]:
+    completed = _run(_command(log_dir, "uninterrupted_sampled", *SAMPLED_WITH_DROPOUT))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return read_metrics(log_dir / "uninterrupted_sampled" / "metrics.jsonl")
+
+
+def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted_sampled):
+    """With sampled rollouts and dropout, so that a resume which lost a random state would differ
+    (shown by breaking the restore of the RNG states: the losses after the resume then differ)."""
     metrics = log_dir / "killed" / "metrics.jsonl"
-    _kill_when(_command(log_dir, "killed"), lambda: metrics.is_file() and len(read_metrics(metrics)) >= STEPS - 1)
+    command = _command(log_dir, "killed", *SAMPLED_WITH_DROPOUT)
+    _kill_when(command, lambda: metrics.is_file() and len(read_metrics(metrics)) >= STEPS - 1)
     checkpoints = sorted(path.name for path in (log_dir / "killed" / "checkpoints").iterdir())
     assert checkpoints and checkpoints[-1] < f"step_{STEPS:06d}"
-    resumed = _run(_command(log_dir, "killed"))
+    resumed = _run(command)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stderr
     rows = read_metrics(metrics)
     assert [row["step"] for row in rows] == list(range(STEPS))
-    assert _comparable(rows) == _comparable(uninterrupted)  # MTP and rollout metrics included
+    assert _comparable(rows) == _comparable(uninterrupted_sampled)  # MTP and rollout metrics included
+    assert any(row["train/probs_ratio"] != 1.0 for row in rows)  # dropout did act on the training forwards
+
+
+def _steps_saved(checkpoints: Path) -> list[str]:
+    """The step checkpoints (complete or partial); the start of RL is saved beside them."""
+    return sorted(path.name for path in checkpoints.iterdir() if path.name.startswith("step_"))
 
 
 def test_kill_9_during_a_save_leaves_no_checkpoint_that_resume_would_take(log_dir, uninterrupted):
@@ -128,12 +151,12 @@ def test_kill_9_during_a_save_leaves_no_checkpoint_that_resume_would_take(log_di
         return (checkpoints / f"step_{STEPS:06d}.partial").exists()
 
     _kill_when(_command(log_dir, "killed_saving"), saving_the_final_checkpoint)
-    assert sorted(path.name for path in checkpoints.iterdir()) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}.partial"]
+    assert _steps_saved(checkpoints) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}.partial"]
     resumed = _run(_command(log_dir, "killed_saving"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _comparable(read_metrics(log_dir / "killed_saving" / "metrics.jsonl")) == _comparable(uninterrupted)
     assert not [path for path in checkpoints.iterdir() if path.name.endswith(".partial")]
-    assert sorted(path.name for path in checkpoints.iterdir()) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"]
+    assert _steps_saved(checkpoints) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"]
 
 
 def test_ctrl_c_exits_130_in_one_line_naming_the_checkpoint_to_resume_from(log_dir):

@@ -23,6 +23,7 @@ _spec.loader.exec_module(run_grpo)
 
 SMALL = SMALL_GRPO_STEP
 MOE_RECIPE = REPO_ROOT / "examples" / "configs" / "grpo_mtp_moe_tiny_cpu.yaml"
+POLICY_MOVES_RECIPE = REPO_ROOT / "examples" / "configs" / "grpo_mtp_policy_moves_tiny_cpu.yaml"
 STEPS = 3
 # Wall-clock dependent: not expected to agree between runs.
 TIMING_KEYS = ("timing/", "rollout/tokens_per_s")
@@ -60,6 +61,13 @@ def runs(tmp_path_factory):
         # The tiny MoE recipe (MoE trunk and MTP layer), on one worker and on two data-parallel ones.
         "moe_greedy": ["--config", str(MOE_RECIPE), *greedy],
         "moe_greedy_dp2": ["--config", str(MOE_RECIPE), "cluster.workers_per_node=2", *greedy],
+        # The recipe in which RL moves the policy (a mixed warm start, KL to the start of RL logged),
+        # with the heads frozen for the GRPO steps; and megatron's own MTP loss (the default is
+        # total_variation, a loss on the policy's distribution).
+        "moves_frozen": [
+            "--config", str(POLICY_MOVES_RECIPE), "grpo.warmup_imitation_steps=2", "policy.mtp_frozen_during_rl=true", *quiet,
+        ],  # fmt: skip
+        "cross_entropy": ["policy.megatron_cfg.mtp_loss_type=cross_entropy", *quiet],
     }
     from nemo_rl_mtp.distributed.ray_cluster import init_ray
     from nemo_rl_mtp.utils.config import load_config
@@ -152,6 +160,28 @@ def test_moe_recipe_trains_the_mtp_head_and_logs_the_router_loss(runs):
     for row in read_metrics(runs["moe_greedy"] / "metrics.jsonl"):
         assert row["train/moe/load_balancing_loss"] > 0
         assert row["train/mtp/mtp_1_loss"] > 0 and row["train/mtp/grad_norm"] > 0
+
+
+def test_frozen_heads_log_their_metrics_and_get_no_gradient_while_the_policy_moves(runs):
+    """KL to the start of RL: 0 at the first step (its rollouts come from the start policy), then
+    positive; the heads get no gradient but their loss, acceptance and forecast are logged."""
+    rows = read_metrics(runs["moves_frozen"] / "metrics.jsonl")
+    assert rows[0]["train/kl_to_start"] == 0.0
+    assert all(row["train/kl_to_start"] > 0 for row in rows[1:])
+    for row in rows:
+        assert row["train/mtp/grad_norm"] == 0.0 and row["train/entropy"] > 0
+        assert row["train/mtp/mtp_1_loss"] > 0 and row["train/mtp/mtp_1_expected_acceptance"] > 0
+        assert row["rollout/draft_1_proposed"] > 0
+    assert (runs["moves_frozen"] / "checkpoints" / "start_of_rl").is_dir()
+
+
+@pytest.mark.parametrize("name, bounded", [("mtp1", True), ("cross_entropy", False)])
+def test_both_kinds_of_mtp_loss_train_the_heads(runs, name, bounded):
+    """total_variation (the default) is a probability, in [0, 1]; cross entropy is not bounded."""
+    for row in read_metrics(runs[name] / "metrics.jsonl"):
+        assert 0 < row["train/mtp/mtp_1_loss"] and (row["train/mtp/mtp_1_loss"] < 1 or not bounded)
+        assert row["train/mtp/grad_norm"] > 0 and 0 < row["train/mtp/mtp_1_expected_acceptance"] < 100
+        assert "train/kl_to_start" not in row
 
 
 def test_tensorboard_events_written(runs):

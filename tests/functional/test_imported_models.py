@@ -66,7 +66,7 @@ def runs(files):
     digits = ["--config", str(CONFIGS / "grpo_mtp_tiny_mimo_cpu.yaml"), *SMALL_GRPO_STEP, *QUIET]
     untouched = ["grpo.max_num_steps=0", "grpo.warmup_imitation_steps=0", "cluster.workers_per_node=2"]
     configs = {
-        "digits": [*digits, f"policy.model_name={files['mtp1']}", "grpo.max_num_steps=3", "grpo.warmup_imitation_steps=2"],
+        "digits": [*digits, f"policy.model_name={files['mtp1']}", "grpo.max_num_steps=3", "grpo.warmup_imitation_steps=2", "policy.generation.num_speculative_tokens=1"],
         "untouched_tp2": [*digits, f"policy.model_name={files['mtp1']}", *untouched, "policy.megatron_cfg.tensor_model_parallel_size=2"],
         "untouched_pp2": [
             *digits, f"policy.model_name={files['mtp2']}", *untouched, "policy.megatron_cfg.pipeline_model_parallel_size=2",

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
+NODE_PATH = f"{VENV_BIN}:/usr/bin:/bin"
 QUIET = ["logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "checkpointing.enabled=false"]
 
 
@@ -38,8 +39,9 @@ def two_node_cluster():
     directory (so nothing else on the machine finds them), PATH without uv; killed afterwards."""
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit
     port = free_port()
-    env = {**os.environ, "PATH": f"{VENV_BIN}:/usr/bin:/bin", "RAY_AUTH_MODE": "token"}
+    env = {**os.environ, "PATH": NODE_PATH, "RAY_AUTH_MODE": "token"}
     env.pop("VIRTUAL_ENV", None)
+    assert shutil.which("uv", path=NODE_PATH) is None, f"the nodes' PATH ({NODE_PATH}) must not have uv"
     try:
         _ray("start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}", env=env)
         _ray("start", f"--address=127.0.0.1:{port}", "--num-cpus=1", "--disable-usage-stats", f"--temp-dir={temp_dir}", env=env)
@@ -51,26 +53,37 @@ def two_node_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _run(log_dir: Path, run_name: str, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _run(log_dir: Path, run_name: str, *overrides: str, env: dict | None = None, under_uv_run: bool = False) -> subprocess.CompletedProcess:
+    """The driver, as a user starts it; ``under_uv_run``: as ``uv run`` (named ``uv``, as from a
+    shell's PATH) starts it, which is what Ray's uv integration looks for in the driver's parents."""
+    uv_run = ["uv", "run", "--frozen", "--no-sync"] if under_uv_run else []
     command = [
+        *uv_run,
         sys.executable, str(REPO_ROOT / "examples" / "run_grpo.py"), *SMALL_GRPO_STEP, *QUIET, "grpo.max_num_steps=1",
         f"logger.log_dir={log_dir}", f"logger.run_name={run_name}", *overrides,
     ]  # fmt: skip
-    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env or {**os.environ, "RAY_AUTH_MODE": "token"})
+    return subprocess.run(
+        command, executable=shutil.which("uv") if under_uv_run else None, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        env=env or {**os.environ, "RAY_AUTH_MODE": "token"},
+    )  # fmt: skip
 
 
 def test_a_run_joins_two_nodes_with_the_drivers_python(two_node_cluster, tmp_path):
-    completed = _run(tmp_path, "driver_python", f"cluster.address={two_node_cluster}", "cluster.num_nodes=2")
+    """Started by ``uv run`` too: the default worker_python=driver switches Ray's uv hook off."""
+    completed = _run(tmp_path, "driver_python", f"cluster.address={two_node_cluster}", "cluster.num_nodes=2", under_uv_run=True)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "cluster: 2 node(s) start workers" in completed.stderr
     assert len(read_metrics(tmp_path / "driver_python" / "metrics.jsonl")) == 1
 
 
 def test_a_node_that_cannot_start_a_worker_fails_the_run_in_one_line_naming_it(two_node_cluster, tmp_path):
-    """With Ray's uv integration the nodes, whose PATH has no uv (or which cannot fetch the Python
-    uv asks for), never start a worker; Ray alone would retry for minutes."""
+    """A driver started by ``uv run``, with Ray's uv integration: the nodes, whose PATH has no uv,
+    never start a worker; Ray alone would retry for minutes."""
     start = time.monotonic()
-    completed = _run(tmp_path, "uv_python", f"cluster.address={two_node_cluster}", "cluster.num_nodes=2", "cluster.worker_python=uv", "cluster.node_probe_timeout_s=20")
+    completed = _run(
+        tmp_path, "uv_python", f"cluster.address={two_node_cluster}", "cluster.num_nodes=2", "cluster.worker_python=uv", "cluster.node_probe_timeout_s=20",
+        under_uv_run=True,
+    )  # fmt: skip
     errors = [line for line in completed.stderr.splitlines() if line.startswith("error:")]
     assert completed.returncode == 1 and len(errors) == 1, completed.stderr[-3000:]
     assert re.search(r"cluster: node [\d.]+ started no worker within 20 s with Ray's uv integration.*: \S", errors[0]), errors[0]

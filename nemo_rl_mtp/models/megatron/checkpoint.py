@@ -45,13 +45,25 @@ def load_policy(policy: MegatronPolicyModel, directory: Path) -> None:
         _set_rng_states(torch.load(rng_file, weights_only=False))
 
 
+def save_model_weights(model, directory: Path) -> None:
+    """The model's weights alone (MTP block included; no optimizer) of ``model`` (unwrapped
+    GPTModel) as ``dist_checkpointing`` shards in ``directory``."""
+    from megatron.core import dist_checkpointing
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with cpu_runtime.device_scope(), write_results_collected_in_process():
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, str(directory))
+
+
 def load_model_weights(model, directory: Path) -> None:
-    """The model's weights alone (no optimizer) from a checkpoint :func:`save_policy` wrote at any
-    parallel layout, into ``model`` (unwrapped GPTModel) at this process's layout."""
+    """The model's weights alone from ``dist_checkpointing`` shards in ``directory`` (what
+    :func:`save_model_weights` wrote, or the ``policy`` directory of a :func:`save_policy`
+    checkpoint), written at any parallel layout, into ``model`` (unwrapped GPTModel) at this
+    process's layout."""
     from megatron.core import dist_checkpointing
 
     with cpu_runtime.device_scope():
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory / "policy"))
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
         model.load_state_dict(state["model"])
 
 

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from nemo_rl_mtp.models.megatron.acceptance_forecast import MTPTargets, mtp_targets
+
 # Token-aligned per-token loss inputs, handed to the policy loss at the position predicting the token.
 SHIFTED_LOSS_KEYS = ("advantages", "prev_logprobs", "reference_logprobs")
 
@@ -44,6 +46,9 @@ class Microbatch:
     # (-1 on padding), to scatter per-token results back to rows of ``rows_shape``.
     source_index: Optional[torch.Tensor] = None
     rows_shape: Optional[tuple[int, int]] = None
+    # Where each MTP depth's targets sit (acceptance_forecast.mtp_targets); None: MTP off, or
+    # context parallelism.
+    mtp_targets: Optional[MTPTargets] = None
 
     def to(self, device: torch.device) -> "Microbatch":
         def move(tensor):
@@ -68,6 +73,7 @@ class Microbatch:
             padding_mask=move(self.padding_mask),
             loss_inputs={key: move(value) for key, value in self.loss_inputs.items()},
             source_index=move(self.source_index),
+            mtp_targets=None if self.mtp_targets is None else self.mtp_targets.to(device),
         )
 
 
@@ -146,9 +152,12 @@ def build_microbatches(
         chunk = {key: value[start : start + micro_batch_size] for key, value in rows.items()}
         chunk_lengths = lengths[start : start + micro_batch_size]
         if pack_sequences:
-            microbatches.append(_packed_microbatch(chunk, chunk_lengths, multiple, cp_rank, cp_size))
+            microbatch = _packed_microbatch(chunk, chunk_lengths, multiple, cp_rank, cp_size)
         else:
-            microbatches.append(_unpacked_microbatch(chunk, chunk_lengths, seq_length))
+            microbatch = _unpacked_microbatch(chunk, chunk_lengths, seq_length)
+        if cp_size == 1:
+            microbatch.mtp_targets = mtp_targets(microbatch.mtp_loss_mask, microbatch.packed_seq_params, megatron_cfg.mtp_num_layers)
+        microbatches.append(microbatch)
     return microbatches
 
 

@@ -35,7 +35,7 @@ def export_run_checkpoint(cfg, megatron_checkpoint: Path, hf_out: Path) -> Path:
     architecture = hf_checkpoint.imported_architecture(bridge, tensor_model_parallel_size=1)
     config = build_transformer_config(policy_cfg.megatron_cfg, architecture)
     model, _ = build_model(policy_cfg.megatron_cfg, config, architecture.padded_vocab_size, policy_cfg.max_total_sequence_length, architecture)
-    load_model_weights(model.module, megatron_checkpoint)
+    load_model_weights(model.module, megatron_checkpoint / "policy")
     mtp_num_layers = policy_cfg.megatron_cfg.mtp_num_layers
     source = hf_checkpoint.source_directory(policy_cfg.model_name)
     hf_checkpoint.export_hf_checkpoint(bridge, model.module, hf_out, mtp_num_layers, source)

@@ -105,9 +105,9 @@ def training_settings(megatron_cfg) -> dict:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        # RL: training logprobs must match the sampler's, so no dropout.
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        # RL: training logprobs should match the sampler's, so no dropout unless asked for.
+        hidden_dropout=megatron_cfg.hidden_dropout,
+        attention_dropout=megatron_cfg.attention_dropout,
         # Losses are token sums normalised by the global valid-token count (see train.py);
         # with this flag megatron neither averages over microbatches nor over DP ranks.
         calculate_per_token_loss=True,

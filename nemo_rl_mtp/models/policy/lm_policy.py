@@ -102,6 +102,16 @@ class Policy:
     def get_reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat(self._run_sharded("get_reference_logprobs", batch))
 
+    def keep_start_of_rl_weights(self, directory: Path | None) -> None:
+        """Every worker keeps the weights GRPO starts from (saved into ``directory`` if given)."""
+        ray.get([worker.keep_start_of_rl_weights.remote(None if directory is None else str(directory)) for worker in self.workers])
+
+    def load_start_of_rl_weights(self, directory: Path) -> None:
+        ray.get([worker.load_start_of_rl_weights.remote(str(directory)) for worker in self.workers])
+
+    def get_start_of_rl_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat(self._run_sharded("get_start_of_rl_logprobs", batch))
+
     def train(self, batch: dict[str, torch.Tensor], loss_fn) -> dict[str, float]:
         """One optimizer step on a global batch; the metrics are already global."""
         return self._run_sharded("train", batch, loss_fn)[0]

@@ -90,18 +90,49 @@ class MegatronPolicyWorker:
 
     def get_reference_logprobs(self, batch: dict):
         """Logprobs under the initial weights (the weights being trained are restored after)."""
+        return self._logprobs_under(self.reference_weights, batch)
+
+    def keep_start_of_rl_weights(self, directory: str | None) -> None:
+        """Keep the weights GRPO starts from (after the warm start) on the host, for
+        ``get_start_of_rl_logprobs``; also save them into ``directory`` (collective), so a resumed
+        run measures against the same policy."""
+        self.start_of_rl_weights = self._host_copy_of_weights()
+        if directory is not None:
+            from pathlib import Path
+
+            from nemo_rl_mtp.models.megatron.checkpoint import save_model_weights
+
+            save_model_weights(self.policy.model.module, Path(directory))
+
+    def load_start_of_rl_weights(self, directory: str) -> None:
+        """The weights :meth:`keep_start_of_rl_weights` saved, at this run's parallel layout."""
+        from pathlib import Path
+
+        from nemo_rl_mtp.models.megatron.checkpoint import load_model_weights
+
+        current = self._host_copy_of_weights()
+        load_model_weights(self.policy.model.module, Path(directory))
+        self.start_of_rl_weights = self._host_copy_of_weights()
+        self.policy.model.module.load_state_dict(current)
+
+    def get_start_of_rl_logprobs(self, batch: dict):
+        """Logprobs under the weights GRPO started from (the weights being trained are restored after)."""
+        return self._logprobs_under(self.start_of_rl_weights, batch)
+
+    def _logprobs_under(self, weights: dict, batch: dict):
         from nemo_rl_mtp.models.megatron.inference import compute_logprobs
 
         current = self._host_copy_of_weights()
         module = self.policy.model.module
-        module.load_state_dict(self.reference_weights)
+        module.load_state_dict(weights)
         try:
             return compute_logprobs(self.policy, batch, self.policy_cfg)
         finally:
             module.load_state_dict(current)
 
     def train(self, batch: dict, loss_fn) -> dict[str, float]:
-        """One optimizer step on this rank's share of a global batch; metrics are global."""
+        """One GRPO optimizer step on this rank's share of a global batch (MTP heads as configured
+        for RL: ``mtp_loss_type``, ``mtp_frozen_during_rl``); metrics are global."""
         from nemo_rl_mtp.models.megatron.compat import assert_mtp_trained
         from nemo_rl_mtp.models.megatron.setup import mtp_enabled
         from nemo_rl_mtp.models.megatron.train import train_global_batch
@@ -109,7 +140,8 @@ class MegatronPolicyWorker:
         metrics, num_microbatches = train_global_batch(self.policy, batch, loss_fn, self.policy_cfg)
         mtp_metrics = self._collect_mtp_metrics(num_microbatches)
         if mtp_enabled(self.policy.config):
-            assert_mtp_trained(self.policy.config, mtp_metrics, metrics["mtp/grad_norm"], metrics["mtp/global_valid_tokens"])
+            frozen = self.policy_cfg.mtp_frozen_during_rl
+            assert_mtp_trained(self.policy.config, mtp_metrics, metrics["mtp/grad_norm"], metrics["mtp/global_valid_tokens"], frozen)
         metrics.update(mtp_metrics)
         self.latest_training_metrics = metrics
         return metrics

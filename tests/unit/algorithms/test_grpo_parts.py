@@ -90,3 +90,28 @@ def test_a_run_saved_before_a_key_existed_resumes_at_its_default_and_not_at_anot
     check_resumable_config(saved, load_config(overrides=["logger.run_name=run"]))
     with pytest.raises(ConfigError, match=r"loss_fn\.token_level_loss: True -> False"):
         check_resumable_config(saved, load_config(overrides=["logger.run_name=run", "loss_fn.token_level_loss=false"]))
+
+
+def test_warm_start_tasks_mix_in_the_distractor_at_its_fraction():
+    """Seeded: the distractor's share of 4000 demonstrations is within 4 standard errors of the
+    fraction; without a distractor nothing is drawn (the prompt stream is that of earlier runs)."""
+    from nemo_rl_mtp.data.demonstrations import prompt_demonstrations, warmup_tasks
+    from nemo_rl_mtp.data.tokenizer import DigitTokenizer
+    from nemo_rl_mtp.environments.digit_tasks import DigitTaskPrompts
+    from nemo_rl_mtp.utils.config import load_config
+
+    generator = torch.Generator().manual_seed(7)
+    tasks = warmup_tasks("reverse", "sort", 0.7, 4000, generator)
+    share = tasks.count("sort") / len(tasks)
+    assert set(tasks) == {"reverse", "sort"}
+    assert abs(share - 0.7) < 4 * (0.7 * 0.3 / len(tasks)) ** 0.5
+    untouched = torch.Generator().manual_seed(7)
+    assert warmup_tasks("reverse", None, 0.0, 10, untouched) == ["reverse"] * 10
+    assert torch.equal(untouched.get_state(), torch.Generator().manual_seed(7).get_state())
+    tokenizer = DigitTokenizer()
+    prompts = DigitTaskPrompts(load_config(overrides=["env.task=reverse"]).env, tokenizer, seed=0)
+    prompt = prompts.task_prompt([3, 1, 2])
+    batch = prompt_demonstrations([prompts.answered_as(prompt, "reverse"), prompts.answered_as(prompt, "sort")], tokenizer.pad_id)
+    answers = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["token_mask"])]
+    assert answers == [tokenizer.encode_answer([2, 1, 3]), tokenizer.encode_answer([1, 2, 3])]
+    assert prompts.answered_as(prompt, "reverse") == prompt  # the task's own answer: the prompt's demonstration

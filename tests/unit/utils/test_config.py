@@ -73,6 +73,20 @@ def test_recipe_inherits_through_defaults(tmp_path):
         ("env.math.verify_timeout_s=0", "env.math.verify_timeout_s=0.0: must be in (0.0, inf)"),
         ("policy.megatron_cfg.activation=null", "policy.megatron_cfg.activation=None: a model built from scratch needs it"),
         ("policy.model_name=x policy.megatron_cfg.num_layers=4", "policy.megatron_cfg.num_layers=4: the architecture comes from policy.model_name=x"),
+        ("policy.megatron_cfg.mtp_loss_type=kl", "policy.megatron_cfg.mtp_loss_type='kl' is not one of"),
+        (
+            "policy.megatron_cfg.mtp_loss_type=total_variation policy.megatron_cfg.context_parallel_size=2",
+            "policy.megatron_cfg.mtp_loss_type='total_variation': needs context_parallel_size=1",
+        ),
+        ("policy.megatron_cfg.mtp_num_layers=0 policy.mtp_frozen_during_rl=true", "policy.mtp_frozen_during_rl=True: needs MTP heads"),
+        ("grpo.warmup_distractor_fraction=0.5", "grpo.warmup_distractor_fraction=0.5: must be > 0 exactly when"),
+        ("grpo.warmup_distractor_task=sort", "grpo.warmup_distractor_fraction=0.0: must be > 0 exactly when"),
+        ("grpo.warmup_distractor_task=reverse grpo.warmup_distractor_fraction=0.5", "grpo.warmup_distractor_task='reverse': must differ"),
+        ("grpo.warmup_distractor_task=sort grpo.warmup_distractor_fraction=1.5", "grpo.warmup_distractor_fraction=1.5: must be in [0.0, 1.0]"),
+        (
+            "env.name=math policy.model_name=x grpo.warmup_distractor_task=sort grpo.warmup_distractor_fraction=0.5",
+            "grpo.warmup_distractor_task='sort': distractor demonstrations are digit tasks' answers; env.name=math has none",
+        ),
         # Measured: layers 10-20 logged loss 0.0 and acceptance 0% at every step, without a word.
         ("policy.megatron_cfg.mtp_num_layers=20", "MTP layers 10-20 would never get a target; use at most 9"),
     ],

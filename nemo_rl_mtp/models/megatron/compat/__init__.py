@@ -4,7 +4,9 @@ RL mode is ``model(..., labels=None, loss_mask=mtp_loss_mask)``: megatron-core 0
 labels by rolling ``input_ids``. Older releases do not (0.17/0.18 silently skip the MTP loss, 0.16
 crashes), 0.18 breaks full recompute with a ``padding_mask`` keyword, 0.14-0.17 break full
 recompute with packed sequences, releases before 0.19 ignore ``config.mtp_grad_scale_func``, and
-releases before 0.19 track no MTP acceptance.
+releases before 0.19 track no MTP acceptance. On every release, megatron computes the MTP loss
+inside the model forward, before the policy's logits exist; mtp_loss_callable makes it reachable
+for the acceptance forecast and the losses on the policy's distribution.
 
 Each shim probes the installed megatron-core by signature or attribute (never by version
 string), switches itself off where upstream has the fix, is idempotent, and says what it did.
@@ -17,7 +19,7 @@ import importlib.metadata
 import logging
 from dataclasses import dataclass
 
-from nemo_rl_mtp.models.megatron.compat import grad_scale, metrics_tracker, recompute, rl_labels
+from nemo_rl_mtp.models.megatron.compat import grad_scale, metrics_tracker, mtp_loss_callable, recompute, rl_labels
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,7 @@ SHIMS = (
     ("rl_labels", rl_labels),
     ("grad_scale", grad_scale),
     ("recompute", recompute),
+    ("mtp_loss_callable", mtp_loss_callable),
 )
 
 
@@ -92,6 +95,13 @@ def unsupported_mtp_features(megatron_cfg) -> list[str]:
 
 def check_mtp_features_supported(megatron_cfg) -> None:
     """Raise before any worker starts if the config asks for an MTP feature this release lacks."""
+    if megatron_cfg.mtp_num_layers and megatron_cfg.mtp_loss_type != "cross_entropy":
+        reason = mtp_loss_callable.unsupported_reason()
+        if reason is not None:
+            raise ValueError(
+                f"policy.megatron_cfg.mtp_loss_type={megatron_cfg.mtp_loss_type} is not supported by the installed "
+                f"megatron-core {megatron_core_version()}: {reason}; use mtp_loss_type=cross_entropy"
+            )
     missing = unsupported_mtp_features(megatron_cfg)
     if missing:
         raise ValueError(
@@ -102,10 +112,10 @@ def check_mtp_features_supported(megatron_cfg) -> None:
         )
 
 
-def assert_mtp_trained(config, mtp_metrics: dict, mtp_grad_norm: float, global_valid_tokens: float) -> None:
+def assert_mtp_trained(config, mtp_metrics: dict, mtp_grad_norm: float, global_valid_tokens: float, frozen: bool = False) -> None:
     """Fail loudly when MTP is configured but a step computed no MTP loss or no MTP gradient (the
-    silent failure of megatron-core 0.17/0.18 in RL mode); warn, naming them, about MTP layers
-    that had no target in the step."""
+    silent failure of megatron-core 0.17/0.18 in RL mode; no gradient is expected of ``frozen``
+    heads); warn, naming them, about MTP layers that had no target in the step."""
     version = megatron_core_version()
     if not mtp_metrics:
         raise RuntimeError(
@@ -114,7 +124,7 @@ def assert_mtp_trained(config, mtp_metrics: dict, mtp_grad_norm: float, global_v
             "are not training; check the MTP compat shim log lines at model setup."
         )
     _warn_about_layers_without_targets(mtp_metrics, global_valid_tokens)
-    if mtp_grad_norm == 0.0 and global_valid_tokens > 0 and config.mtp_loss_scaling_factor > 0:
+    if not frozen and mtp_grad_norm == 0.0 and global_valid_tokens > 0 and config.mtp_loss_scaling_factor > 0:
         raise RuntimeError(
             f"MTP is configured (mtp_num_layers={config.mtp_num_layers}) but its parameters got no gradient "
             f"in a step with {global_valid_tokens:.0f} valid tokens on megatron-core {version}. The MTP heads "

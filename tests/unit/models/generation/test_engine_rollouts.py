@@ -207,7 +207,7 @@ def _chi_square_test(first: torch.Tensor, second: torch.Tensor) -> tuple[bool, s
 def test_trainer_forecast_of_acceptance_matches_the_rollouts_rejection_sampling(trained_policy, temperature):
     """The training step's ``mtp/mtp_1_expected_acceptance`` on a batch of rollouts against the
     acceptance rejection sampling measured producing them: equal within four standard errors of
-    the measured rate (the forecast also counts the first response token, which no draft targets)."""
+    the measured rate."""
     generator = torch.Generator().manual_seed(3)
     prompts = [TOKENIZER.encode_prompt(torch.randint(0, 10, (2 + i % 2,), generator=generator).tolist()) for i in range(512)]
     cfg = tiny_config(**engine_overrides(1, **{**SIZES, "train_global_batch_size": 128}, generation__temperature=temperature)).policy

@@ -6,7 +6,6 @@ and batches of every composition; and the caches' memory inside the engine's bud
 from __future__ import annotations
 
 import pytest
-import torch
 
 from nemo_rl_mtp.models.generation import incremental_drafts
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine, kv_memory

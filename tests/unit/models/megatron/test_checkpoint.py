@@ -36,5 +36,5 @@ def test_model_weights_load_from_a_policy_checkpoint(tmp_path):
     save_policy(saved, tmp_path / "step_000001")
     other, _ = make_policy(megatron_cfg__seed=7)
     assert not all(torch.equal(a, b) for a, b in zip(saved.model.module.parameters(), other.model.module.parameters()))
-    load_model_weights(other.model.module, tmp_path / "step_000001")
+    load_model_weights(other.model.module, tmp_path / "step_000001" / "policy")
     assert all(torch.equal(a, b) for a, b in zip(saved.model.module.parameters(), other.model.module.parameters()))

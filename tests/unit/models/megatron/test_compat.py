@@ -41,11 +41,12 @@ UPSTREAM_LACKS_PADDING_MASK = (
 )
 
 # What each release needs, from the measured release matrix (independent of the shims' probes).
+# mtp_loss_callable is needed on every release: megatron computes the MTP loss inside the forward.
 SHIMS_NEEDED = {
-    "0.16": {"metrics_tracker", "rl_labels", "grad_scale", "recompute"},
-    "0.17": {"metrics_tracker", "rl_labels", "grad_scale", "recompute"},
-    "0.18": {"metrics_tracker", "rl_labels", "grad_scale", "recompute"},
-    "0.19": set(),
+    "0.16": {"metrics_tracker", "rl_labels", "grad_scale", "recompute", "mtp_loss_callable"},
+    "0.17": {"metrics_tracker", "rl_labels", "grad_scale", "recompute", "mtp_loss_callable"},
+    "0.18": {"metrics_tracker", "rl_labels", "grad_scale", "recompute", "mtp_loss_callable"},
+    "0.19": {"mtp_loss_callable"},
 }
 
 
@@ -59,7 +60,7 @@ def test_shims_match_what_the_release_needs_and_log_it(caplog):
         outcomes = {outcome.name: outcome for outcome in compat.apply_mtp_compat_shims()}
     needed = SHIMS_NEEDED[_release()]
     assert {name for name, outcome in outcomes.items() if outcome.status == "applied"} == needed
-    assert f"megatron-core {compat.megatron_core_version()}: {len(needed)} of 4 MTP compat shims applied" in caplog.text
+    assert f"megatron-core {compat.megatron_core_version()}: {len(needed)} of 5 MTP compat shims applied" in caplog.text
     for name, outcome in outcomes.items():
         assert name in caplog.text and outcome.detail in caplog.text
         if outcome.status == "skipped":
@@ -73,6 +74,7 @@ SHIM_TARGETS = {
     "rl_labels": [(gpt_model.GPTModel, "_postprocess"), (gpt_model, "process_mtp_loss")],
     "grad_scale": [(schedules, "forward_step_calc_loss")],
     "recompute": [(MultiTokenPredictionLayer, "_checkpointed_forward")],
+    "mtp_loss_callable": [(gpt_model.GPTModel, "compute_language_model_loss")],
 }
 _MISSING = object()
 
@@ -108,7 +110,7 @@ def test_shims_are_idempotent():
     between = _snapshot(_all_targets())
     second = compat.apply_mtp_compat_shims()
     after = _snapshot(_all_targets())
-    assert [outcome.name for outcome in first] == ["metrics_tracker", "rl_labels", "grad_scale", "recompute"]
+    assert [outcome.name for outcome in first] == ["metrics_tracker", "rl_labels", "grad_scale", "recompute", "mtp_loss_callable"]
     assert [(o.name, o.status, o.detail) for o in first] == [(o.name, o.status, o.detail) for o in second]
     for target, value in before.items():
         assert between[target] is value and after[target] is value, target
@@ -292,3 +294,44 @@ def test_mtp_backward_is_seeded_with_one_over_global_tokens():
     seed = float(mtp_module.MTPLossAutoScaler.main_loss_backward_scale)
     assert seed == pytest.approx(1.0 / metrics["global_valid_tokens"], rel=1e-6)
     MTPLossLoggingHelper.tracker.clear()
+
+
+def test_mtp_loss_substitute_applies_only_inside_its_block():
+    """mtp_loss_callable: inside ``substituted_mtp_loss`` megatron's MTP loss calls go to the
+    substitute (which can still call megatron's own); outside, and with None, nothing changes."""
+    from nemo_rl_mtp.models.megatron.compat.mtp_loss_callable import substituted_mtp_loss
+
+    compat.apply_mtp_compat_shims()
+    policy, _ = make_policy(megatron_cfg__mtp_num_layers=2)
+    model = policy.model.module
+    labels, logits = torch.tensor([[1, 2]]), torch.randn(2, 1, 32)
+    megatron = gpt_model.GPTModel.compute_language_model_loss.original(model, labels, logits.clone())
+    calls = []
+
+    def substitute(labels, logits, megatron_loss):
+        calls.append(logits.shape)
+        return megatron_loss(labels, logits) * 2
+
+    with substituted_mtp_loss(substitute):
+        inside = model.compute_language_model_loss(labels, logits.clone())
+        with substituted_mtp_loss(None):
+            nested_none = model.compute_language_model_loss(labels, logits.clone())
+    outside = model.compute_language_model_loss(labels, logits.clone())
+    assert calls == [logits.shape]
+    assert torch.equal(inside, 2 * megatron) and torch.equal(nested_none, megatron) and torch.equal(outside, megatron)
+
+
+def test_distribution_losses_are_refused_in_one_line_where_the_loss_is_unreachable(monkeypatch):
+    """A release whose process_mtp_loss took no loss callable could not run them: refused before
+    any worker starts, naming the key and the release (cross_entropy still runs)."""
+    from nemo_rl_mtp.models.megatron.compat import mtp_loss_callable
+    from tests.helpers import tiny_config
+
+    def process_mtp_loss(hidden_states, labels, loss_mask, output_layer, config):
+        return hidden_states
+
+    monkeypatch.setattr(mtp_module, "process_mtp_loss", process_mtp_loss, raising=False)
+    assert mtp_loss_callable.unsupported_reason() is not None
+    with pytest.raises(ValueError, match=r"mtp_loss_type=total_variation is not supported by the installed megatron-core .*: process_mtp_loss takes no compute_language_model_loss"):
+        compat.check_mtp_features_supported(tiny_config(megatron_cfg__mtp_loss_type="total_variation").policy.megatron_cfg)
+    compat.check_mtp_features_supported(tiny_config(megatron_cfg__mtp_loss_type="cross_entropy").policy.megatron_cfg)

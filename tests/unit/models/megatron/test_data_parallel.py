@@ -30,7 +30,9 @@ def _batch(token_level_loss: bool) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _data_parallel_rank(rank: int, world_size: int, init_method: str, weights_path: str, result_path: str, token_level_loss: bool):
+def _data_parallel_rank(
+    rank: int, world_size: int, init_method: str, weights_path: str, result_path: str, token_level_loss: bool, loss_type: str
+):
     from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel
     from tests.helpers import tiny_config
 
@@ -41,7 +43,7 @@ def _data_parallel_rank(rank: int, world_size: int, init_method: str, weights_pa
     from tests.helpers import VOCAB_SIZE
 
     initialize_model_parallel(tiny_config().policy.megatron_cfg, rank, world_size, init_method)
-    cfg = tiny_config(**POLICY).policy
+    cfg = tiny_config(**POLICY, megatron_cfg__mtp_loss_type=loss_type).policy
     policy = setup_megatron_policy(cfg, VOCAB_SIZE)
     with cpu_runtime.device_scope():
         identical_init = check_param_hashes_across_dp_replicas([policy.model.module], cross_check=True)
@@ -54,10 +56,14 @@ def _data_parallel_rank(rank: int, world_size: int, init_method: str, weights_pa
 
 
 @pytest.mark.usefixtures("megatron_world")
-@pytest.mark.parametrize("token_level_loss", [True, False])
-def test_data_parallel_two_matches_one(tmp_path, token_level_loss):
-    """Token- and sequence-level losses (the sample weights split with the batch)."""
-    policy, cfg = make_policy(**POLICY)
+@pytest.mark.parametrize(
+    "token_level_loss, loss_type",
+    [(True, "cross_entropy"), (False, "cross_entropy"), pytest.param(False, "soft_cross_entropy", marks=pytest.mark.slow)],
+)
+def test_data_parallel_two_matches_one(tmp_path, token_level_loss, loss_type):
+    """Token- and sequence-level losses (the sample weights split with the batch), with megatron's
+    MTP loss and with a loss on the policy's distribution."""
+    policy, cfg = make_policy(**POLICY, megatron_cfg__mtp_loss_type=loss_type)
     weights_path = tmp_path / "weights.pt"
     torch.save(policy.model.module.state_dict(), weights_path)
     metrics_one, grads_one = _step(policy, cfg, _batch(token_level_loss))
@@ -65,7 +71,7 @@ def test_data_parallel_two_matches_one(tmp_path, token_level_loss):
     result_path = tmp_path / "dp2.pt"
     mp.start_processes(
         _data_parallel_rank,
-        args=(2, f"tcp://127.0.0.1:{free_port()}", str(weights_path), str(result_path), token_level_loss),
+        args=(2, f"tcp://127.0.0.1:{free_port()}", str(weights_path), str(result_path), token_level_loss, loss_type),
         nprocs=2,
         start_method="spawn",
     )

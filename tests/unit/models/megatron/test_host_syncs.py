@@ -73,5 +73,6 @@ def test_host_reads_of_our_code_do_not_grow_with_microbatches(packed):
         counts.append(counter.ours())
     one_microbatch, four_microbatches = counts
     assert one_microbatch == four_microbatches, (one_microbatch, four_microbatches)
-    # Per step: batch lengths (host tensor), G, the step metrics and the MTP metrics, MTP grad norm.
-    assert sum(four_microbatches.values()) <= 6, four_microbatches
+    # Per step: batch lengths (host tensor), G, the step metrics and the MTP metrics, the MTP
+    # grad norm (one read of ours; megatron's get_grad_norm_fp32, used before, made two of its own).
+    assert sum(four_microbatches.values()) <= 7, four_microbatches

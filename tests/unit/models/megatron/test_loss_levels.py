@@ -54,7 +54,11 @@ def test_sequence_level_mtp_gradient_equals_independent_reference(mtp_num_layers
     lengths the batch was built with."""
     batch = make_batch(RAGGED_RESPONSES, sample_mask=SAMPLE_MASK)
     policy, cfg = make_policy(
-        megatron_cfg__mtp_num_layers=mtp_num_layers, megatron_cfg__mtp_loss_scaling_factor=0.3, train_micro_batch_size=2, train_global_batch_size=8
+        megatron_cfg__mtp_num_layers=mtp_num_layers,
+        megatron_cfg__mtp_loss_scaling_factor=0.3,
+        megatron_cfg__mtp_loss_type="cross_entropy",  # the reference is megatron's loss
+        train_micro_batch_size=2,
+        train_global_batch_size=8,
     )
     _, step_grads = run_step(policy, cfg, _sequence_level(batch), zero_policy_loss)
 

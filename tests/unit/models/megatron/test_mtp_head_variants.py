@@ -133,10 +133,12 @@ def test_detached_heads_mtp_grad_norm_is_megatrons_mtp_group_norm():
 
 
 def make_repeated_policy(mtp_num_layers: int, repeated: bool = True):
+    """Trained with megatron's cross entropy, which the references write out."""
     return make_policy(
         megatron_cfg__mtp_num_layers=mtp_num_layers,
         megatron_cfg__mtp_use_repeated_layer=repeated,
         megatron_cfg__mtp_loss_scaling_factor=SCALING_FACTOR,
+        megatron_cfg__mtp_loss_type="cross_entropy",
         **FOUR_MICROBATCHES,
     )
 

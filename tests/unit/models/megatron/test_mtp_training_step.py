@@ -123,6 +123,7 @@ def test_mtp_gradient_equals_independent_reference(mtp_num_layers, tied_embeddin
     policy, cfg = make_policy(
         megatron_cfg__mtp_num_layers=mtp_num_layers,
         megatron_cfg__mtp_loss_scaling_factor=scaling_factor,
+        megatron_cfg__mtp_loss_type="cross_entropy",  # the reference is megatron's loss
         megatron_cfg__share_embeddings_and_output_weights=tied_embeddings,
         train_micro_batch_size=2,
         train_global_batch_size=8,
@@ -214,8 +215,12 @@ def test_tokens_outside_the_mask_change_nothing():
 
 
 def test_changing_an_unmasked_target_changes_the_mtp_gradient():
-    """The counterpart of the test above: the same edit inside the mask is seen."""
-    policy, cfg = make_policy(megatron_cfg__mtp_num_layers=1, train_micro_batch_size=2, train_global_batch_size=8)
+    """The counterpart of the test above: the same edit inside the mask is seen (by megatron's
+    cross entropy, which trains on the token; the losses on the policy's distribution see the
+    token only through the context of later targets)."""
+    policy, cfg = make_policy(
+        megatron_cfg__mtp_num_layers=1, megatron_cfg__mtp_loss_type="cross_entropy", train_micro_batch_size=2, train_global_batch_size=8
+    )
     batch = make_batch(RAGGED_RESPONSES)
     _, grads = run_step(policy, cfg, batch, loss_fn=zero_policy_loss)
     edited = {key: value.clone() for key, value in batch.items()}
@@ -235,9 +240,10 @@ def test_all_masked_batch_gives_finite_metrics_and_zero_mtp_gradient():
     assert all(grads[name].abs().max() == 0 for name in mtp_parameter_names(policy))
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_packed_and_unpacked_steps_agree(recompute):
-    """Packed (THD, cu_seqlens) through our CPU core attention vs plain rows."""
+@pytest.mark.parametrize("recompute, loss_type", [(False, "cross_entropy"), (True, "cross_entropy"), (True, "soft_cross_entropy"), (False, "total_variation")])
+def test_packed_and_unpacked_steps_agree(recompute, loss_type):
+    """Packed (THD, cu_seqlens) through our CPU core attention vs plain rows, for megatron's MTP
+    loss and the losses on the policy's distribution (``mtp_loss_type``)."""
     recompute_keys = (
         dict(megatron_cfg__recompute_granularity="full", megatron_cfg__recompute_method="uniform", megatron_cfg__recompute_num_layers=1)
         if recompute
@@ -248,6 +254,7 @@ def test_packed_and_unpacked_steps_agree(recompute):
     for packed in (False, True):
         policy, cfg = make_policy(
             megatron_cfg__mtp_num_layers=2,
+            megatron_cfg__mtp_loss_type=loss_type,
             train_micro_batch_size=4,
             train_global_batch_size=8,
             sequence_packing__enabled=packed,
