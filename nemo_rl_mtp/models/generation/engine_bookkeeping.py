@@ -87,15 +87,30 @@ def merged_tokens(accepted_tokens: torch.Tensor, sample: torch.Tensor) -> list[l
     return [row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())]
 
 
-class SpeculativeBookkeepingEngine(DynamicInferenceEngine):
+class RequestSamplingNotes(DynamicInferenceEngine):
+    """megatron's engine that tells its controller each request's sampling parameters as it is
+    added (a controller with ``note_request_sampling``): on releases whose sampling backend has no
+    ``log_probs_kernel``, rejection sampling writes the distribution out from them, without reading
+    megatron's per-request metadata back from the device every step."""
+
+    def add_request(self, request_id, prompt, sampling_params=None, *args, **kwargs):
+        if sampling_params is not None and hasattr(self.controller, "note_request_sampling"):
+            self.controller.note_request_sampling(sampling_params)
+        return super().add_request(request_id, prompt, sampling_params, *args, **kwargs)
+
+    def reset(self) -> None:
+        super().reset()
+        if hasattr(self.controller, "note_request_sampling"):
+            self.controller.request_sampling = None
+
+
+class SpeculativeBookkeepingEngine(RequestSamplingNotes):
     """megatron's engine whose per-request walk after a speculative step merges and counts
     nothing itself (module docstring); the controller must count (:class:`AcceptanceCounts`)."""
 
     def add_request(self, request_id, prompt, sampling_params=None, *args, **kwargs):
         if sampling_params is not None and getattr(sampling_params, "stop_words", None):
             self.requests_with_stop_words = True
-        if sampling_params is not None and hasattr(self.controller, "note_request_sampling"):
-            self.controller.note_request_sampling(sampling_params)
         return super().add_request(request_id, prompt, sampling_params, *args, **kwargs)
 
     def reset(self) -> None:
@@ -103,8 +118,6 @@ class SpeculativeBookkeepingEngine(DynamicInferenceEngine):
         self.requests_with_stop_words = False
         if isinstance(self.controller, AcceptanceCounts):
             self.controller.reset_acceptance_counts()
-        if hasattr(self.controller, "note_request_sampling"):
-            self.controller.request_sampling = None
 
     def post_process_requests(self, request_ids, finished_request_ids, evict_request_ids, step_time, sample, accepted_tokens, *args, **kwargs):
         if accepted_tokens is None or self.num_speculative_tokens == 0 or self.requests_with_stop_words:
