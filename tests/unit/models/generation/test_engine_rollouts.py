@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from megatron.core.inference.utils import InferenceMode
 
 from nemo_rl_mtp.algorithms.imitation import IMITATION_LOSS, imitation_step
 from nemo_rl_mtp.data.demonstrations import task_demonstrations
+from nemo_rl_mtp.models.generation import engine_compat
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics
 from nemo_rl_mtp.models.megatron.inference import compute_logprobs
@@ -26,6 +26,12 @@ pytestmark = pytest.mark.usefixtures("megatron_world")
 def _policy(num_speculative_tokens: int, mtp_num_layers: int = 2, **overrides):
     policy, cfg = make_policy(**engine_overrides(num_speculative_tokens, mtp_num_layers, **overrides))
     return policy, cfg, RolloutEngine(policy, cfg)
+
+
+def _inference_flag_active() -> bool:
+    """megatron's InferenceMode flag (0.18 on); False where the release has none."""
+    flag = engine_compat.inference_mode_flag()
+    return flag is not None and flag.is_active()
 
 
 def _training_batch(rollouts):
@@ -76,7 +82,7 @@ def test_next_rollout_uses_the_trained_weights_and_training_still_computes_the_m
     InferenceMode flag cleared and the model in train mode, so the MTP loss is still computed."""
     policy, cfg, engine = _policy(1, generation__top_k=1)
     before = _generate(engine)
-    assert not InferenceMode.is_active() and policy.model.training
+    assert not _inference_flag_active() and policy.model.training
     demonstrations = task_demonstrations("reverse", [[1, 2], [3, 4, 5], [6], [7, 8, 9, 0]] * 2, TOKENIZER)
     metrics = imitation_step(policy, demonstrations, cfg)
     assert metrics["mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
@@ -86,12 +92,40 @@ def test_next_rollout_uses_the_trained_weights_and_training_still_computes_the_m
     assert not torch.equal(after["logprobs"], before["logprobs"])
 
 
+@pytest.mark.parametrize("flag_before", [False, True])
+def test_rollouts_and_engine_builds_leave_the_flag_and_every_modules_mode_as_they_were(flag_before):
+    """A model in eval mode with its MTP block in train mode (mixed, as a caller may hold it), and
+    megatron's InferenceMode flag set or not: a rollout and an engine rebuild (``auto`` switching
+    k) hand both back as they found them, not forced to train mode and a cleared flag."""
+    flag = engine_compat.inference_mode_flag()
+    if flag_before and flag is None:
+        pytest.skip("this megatron-core release has no InferenceMode flag (before 0.18: eval mode is the flag)")
+    policy, _, engine = _policy(1)
+    policy.model.eval()
+    policy.model.module.mtp.train()
+    modes = {name: module.training for name, module in policy.model.named_modules()}
+    assert len(set(modes.values())) == 2
+    if flag_before:
+        flag.set_active()
+    try:
+        _generate(engine)
+        assert {name: module.training for name, module in policy.model.named_modules()} == modes
+        assert _inference_flag_active() == flag_before
+        engine.use_speculative_tokens(0)
+        assert {name: module.training for name, module in policy.model.named_modules()} == modes
+        assert _inference_flag_active() == flag_before
+    finally:
+        if flag is not None:
+            flag.unset_active()
+        policy.model.train()
+
+
 def test_a_request_the_engine_refuses_fails_the_rollout_loudly():
     _, _, engine = _policy(1)
     too_long = [TOKENIZER.encode_prompt([1] * 30)]  # 32 prompt tokens > max_sequence_length 24
     with pytest.raises(RuntimeError, match="refused 1 rollout request"):
         _generate(engine, prompts=PROMPTS + too_long)
-    assert not InferenceMode.is_active()
+    assert not _inference_flag_active()
     assert torch.equal(_generate(engine, seed=3)["tokens"], _generate(engine, seed=3)["tokens"])  # still usable
 
 
