@@ -78,18 +78,33 @@ def attributes_set_by(cls: type) -> set[str]:
 
 def unsupported_generation(generation_cfg, megatron_cfg) -> str | None:
     """One line naming the key, the release and what it lacks, for a generation config the
-    installed engine cannot run (None: it can). Checked before any worker starts."""
+    installed engine cannot run (None: it can). Checked before any worker starts. ``auto`` on an
+    engine without speculative decoding is no error: it chooses 0 (:func:`auto_without_speculation`)."""
     k = generation_cfg.num_speculative_tokens
     if k == 0:
         return None
+    if k == "auto":
+        if auto_without_speculation(generation_cfg):
+            logger.info("policy.generation.num_speculative_tokens=auto: %s: %s; auto chooses 0", megatron_release(), speculation_missing())
+        return None
+    return unsupported_speculation(k, megatron_cfg)
+
+
+def auto_without_speculation(generation_cfg) -> bool:
+    """Whether ``num_speculative_tokens: auto`` meets an engine without speculative decoding."""
+    return generation_cfg.num_speculative_tokens == "auto" and speculation_missing() is not None
+
+
+def unsupported_speculation(k: int, megatron_cfg) -> str | None:
+    """One line naming the release and what it lacks for ``k`` > 0 drafts per step (None: fine)."""
     missing = speculation_missing()
     if missing is not None:
-        return f"policy.generation.num_speculative_tokens={k}: {megatron_release()} {missing}; set policy.generation.num_speculative_tokens=0"
-    if k != "auto" and megatron_cfg.mtp_use_repeated_layer and k > megatron_cfg.mtp_num_layers:
+        return f"policy.generation.num_speculative_tokens={k}: {megatron_release()}: {missing}; set policy.generation.num_speculative_tokens=0"
+    if megatron_cfg.mtp_use_repeated_layer and k > megatron_cfg.mtp_num_layers:
         missing = repeated_layer_depths_missing()
         if missing is not None:
             return (
-                f"policy.generation.num_speculative_tokens={k}: {megatron_release()} {missing}; set it to at most "
+                f"policy.generation.num_speculative_tokens={k}: {megatron_release()}: {missing}; set it to at most "
                 f"policy.megatron_cfg.mtp_num_layers={megatron_cfg.mtp_num_layers}"
             )
     return None

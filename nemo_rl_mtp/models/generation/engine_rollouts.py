@@ -53,9 +53,9 @@ class RolloutEngine:
         self.generation_cfg = policy_cfg.generation
         requested = self.generation_cfg.num_speculative_tokens
         self.adaptive = None
-        if requested == adaptive_speculation.AUTO:
+        if requested == adaptive_speculation.AUTO and not engine_release.auto_without_speculation(self.generation_cfg):
             self.adaptive = adaptive_speculation.AdaptiveSpeculation(adaptive_speculation.auto_limit(policy_cfg.megatron_cfg))
-        self.num_speculative_tokens = 0 if self.adaptive is not None else requested
+        self.num_speculative_tokens = 0 if requested == adaptive_speculation.AUTO else requested
         self.engine = build_engine(policy.model.module, policy_cfg, self.num_speculative_tokens)
 
     def use_speculative_tokens(self, k: int) -> None:
@@ -139,9 +139,9 @@ def build_engine(model, policy_cfg: PolicyConfig, num_speculative_tokens: int):
     (the installed release's way: :mod:`engine_release`). Building sets megatron's process-wide
     ``InferenceMode`` flag and may switch the model to eval mode; both are put back as they were
     (:func:`modes_restored`), so training forwards stay training forwards."""
-    missing = engine_release.speculation_missing() if num_speculative_tokens else None
-    if missing is not None:
-        raise ValueError(f"{num_speculative_tokens} speculative tokens: {engine_release.megatron_release()} {missing}")
+    unsupported = engine_release.unsupported_speculation(num_speculative_tokens, policy_cfg.megatron_cfg) if num_speculative_tokens else None
+    if unsupported is not None:
+        raise ValueError(unsupported)
     with modes_restored(model):
         cpu_inference_runtime.install()
         if num_speculative_tokens:
