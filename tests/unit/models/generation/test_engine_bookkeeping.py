@@ -9,16 +9,33 @@ import logging
 
 import pytest
 import torch
-from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
-from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch, text_generation_controller
 
-from nemo_rl_mtp.models.generation import engine_bookkeeping, engine_compat
-from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
-from nemo_rl_mtp.models.megatron import speculative_kernels
-from tests.helpers import make_policy
-from tests.unit.models.generation.engine_cases import PROMPTS, engine_overrides, generate
+from tests.unit.models.generation.engine_cases import skip_module_without_speculation
+
+skip_module_without_speculation()
+
+from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine  # noqa: E402
+from megatron.core.inference.text_generation_controllers import text_generation_controller  # noqa: E402
+
+from nemo_rl_mtp.models.generation import engine_bookkeeping, engine_compat, engine_release  # noqa: E402
+from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine  # noqa: E402
+from nemo_rl_mtp.models.megatron import speculative_kernels  # noqa: E402
+from tests.helpers import make_policy  # noqa: E402
+from tests.unit.models.generation.engine_cases import PROMPTS, engine_overrides, generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
+
+# megatron's PyTorch speculative kernels beside its triton ones (0.18 on); 0.17 rewinds inside its
+# controller, so there is no kernel to vectorise nor a loop to compare with.
+try:
+    from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch
+except ImportError:
+    mtp_utils_pytorch = None
+REWIND_LOOP_MISSING = mtp_utils_pytorch is None or not hasattr(text_generation_controller, "rewind_kv_cache")
+requires_rewind_loop = pytest.mark.skipif(
+    REWIND_LOOP_MISSING,
+    reason=f"{engine_release.megatron_release()}: its controller rewinds the KV cache in its own method (no rewind_kv_cache kernel to vectorise)",
+)
 
 
 def test_merged_tokens_are_the_accepted_drafts_then_the_new_token():
@@ -42,8 +59,9 @@ def test_rollouts_and_counts_equal_megatrons_own_bookkeeping(monkeypatch, k, ver
     # megatron's engine, telling the controller the sampling parameters (RequestSamplingNotes: no bookkeeping)
     monkeypatch.setattr(engine_bookkeeping, "SpeculativeBookkeepingEngine", engine_bookkeeping.RequestSamplingNotes)
     monkeypatch.setattr(engine_bookkeeping, "install_vectorised_rewind", lambda: False)
-    monkeypatch.setattr(text_generation_controller, "rewind_kv_cache", mtp_utils_pytorch.rewind_kv_cache)
-    monkeypatch.setattr(text_generation_controller, "prepare_next_forward_pass", mtp_utils_pytorch.prepare_next_forward_pass)
+    if not REWIND_LOOP_MISSING:
+        monkeypatch.setattr(text_generation_controller, "rewind_kv_cache", mtp_utils_pytorch.rewind_kv_cache)
+        monkeypatch.setattr(text_generation_controller, "prepare_next_forward_pass", mtp_utils_pytorch.prepare_next_forward_pass)
     reference_engine = RolloutEngine(policy, cfg)
     assert type(reference_engine.engine) is engine_bookkeeping.RequestSamplingNotes
     reference = generate(reference_engine, PROMPTS * 2, seed=11)
@@ -53,13 +71,14 @@ def test_rollouts_and_counts_equal_megatrons_own_bookkeeping(monkeypatch, k, ver
     if hasattr(megatron, "_spec_tokens_proposed_per_pos"):
         megatron_counts = (megatron._spec_tokens_proposed_per_pos, megatron._spec_tokens_accepted_per_pos)
         assert torch.equal(ours["draft_proposed"], megatron_counts[0]) and torch.equal(ours["draft_accepted"], megatron_counts[1])
-    else:  # megatron-core 0.17, 0.18 count totals over the positions
-        assert int(ours["draft_proposed"].sum()) == megatron._spec_tokens_proposed
+    else:  # megatron-core 0.17, 0.18 count totals, and k proposed drafts in each request's prefill step too
+        assert int(ours["draft_proposed"].sum()) + k * len(PROMPTS * 2) == megatron._spec_tokens_proposed
         assert int(ours["draft_accepted"].sum()) == megatron._spec_tokens_accepted
     assert 0 < int(ours["draft_accepted"][0]) < int(ours["draft_proposed"][0])
     assert torch.equal(reference["draft_proposed"], ours["draft_proposed"])  # the controller's count, both engines
 
 
+@requires_rewind_loop
 def test_the_rewind_patch_is_needed_on_the_installed_release_and_idempotent(caplog):
     assert engine_bookkeeping.vectorised_rewind_probe()[0]
     with caplog.at_level(logging.INFO, logger=engine_bookkeeping.__name__):
@@ -68,6 +87,7 @@ def test_the_rewind_patch_is_needed_on_the_installed_release_and_idempotent(capl
     assert text_generation_controller.rewind_kv_cache is speculative_kernels.rewind_kv_cache
 
 
+@requires_rewind_loop
 @pytest.mark.parametrize("upstream", ["gone", "replaced", "different results"])
 def test_the_rewind_patch_switches_itself_off_where_upstream_changed(monkeypatch, caplog, upstream):
     if upstream == "gone":
