@@ -44,7 +44,9 @@ class AcceptanceCounts:
         self.reset_acceptance_counts()
 
     def reset_acceptance_counts(self) -> None:
-        device = self._accepted_tokens_per_request.device
+        # megatron's accepted drafts (checked after the build: engine_compat.check_engine_names)
+        accepted = getattr(self, "_accepted_tokens_per_request", None)
+        device = accepted.device if accepted is not None else torch.device("cpu")
         self.drafts_proposed = torch.zeros(self.num_speculative_tokens, dtype=torch.int64, device=device)
         self.drafts_accepted = torch.zeros(self.num_speculative_tokens, dtype=torch.int64, device=device)
 

@@ -56,37 +56,51 @@ CONTROLLER_SAMPLE_SPECULATIVE = ["required_logits", "request_in_prefill_status_t
 BACKEND_LOG_PROBS = ["logits", "context"]
 
 
+def class_names_changed(model, generation_cfg) -> list[str]:
+    """Names (with what is wrong) the generation path, as ``generation_cfg`` configures it, needs
+    from megatron's classes (controller, model, MTP layer): checked before an engine is built,
+    since building one already calls some of them."""
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+
+    problems = _methods(TextGenerationController, COUNTING_METHODS, "controller")
+    if generation_cfg.spec_verification == "rejection_sampling":
+        problems += _methods(TextGenerationController, REJECTION_SAMPLING_METHODS, "controller")
+        problems += _methods(TextGenerationController, VERIFY_PARAMETERS, "controller", by_name=True)
+    if getattr(model, "mtp", None) is not None and generation_cfg.draft_context != "single_position":
+        problems += _methods(TextGenerationController, DRAFTING_METHODS, "controller")
+        problems += _methods(type(model), MODEL_METHODS, "model")
+        problems += _methods(type(model.mtp.layers[0]), MTP_LAYER_METHODS, "MTP layer")
+    return list(dict.fromkeys(problems))
+
+
 def changed_names(engine, generation_cfg) -> list[str]:
     """Names (with what is wrong) the generation path, as ``generation_cfg`` configures it, needs
     from the built ``engine`` and the installed release lacks. Nothing without speculation."""
     if not getattr(engine.controller, "num_speculative_tokens", 0):
         return []
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
-
     controller = engine.controller
-    problems = _methods(TextGenerationController, COUNTING_METHODS, "controller")
+    model = unwrapped_model(controller)
+    problems = class_names_changed(model, generation_cfg)
     problems += _attributes(controller, COUNTING_ATTRIBUTES, "controller")
     problems += _methods(_megatron_class(engine), ENGINE_METHODS, "engine")
     problems += _attributes(engine, ENGINE_ATTRIBUTES, "engine")
     if generation_cfg.spec_verification == "rejection_sampling":
-        problems += _methods(TextGenerationController, REJECTION_SAMPLING_METHODS, "controller")
-        problems += _methods(TextGenerationController, VERIFY_PARAMETERS, "controller", by_name=True)
         problems += _attributes(controller, REJECTION_SAMPLING_ATTRIBUTES, "controller")
         problems += [] if verification_rows_hook(controller) else [_missing_verification_rows()]
-    model = unwrapped_model(controller)
     if getattr(model, "mtp", None) is not None and generation_cfg.draft_context != "single_position":
-        problems += _methods(TextGenerationController, DRAFTING_METHODS, "controller")
         problems += _attributes(controller, DRAFTING_ATTRIBUTES, "controller")
-        problems += _methods(type(model), MODEL_METHODS, "model")
-        problems += _methods(type(model.mtp.layers[0]), MTP_LAYER_METHODS, "MTP layer")
         problems += [] if decoder_hidden_source(controller) else [_missing_hidden_states()]
     return list(dict.fromkeys(problems))
 
 
-def check_engine_names(engine, generation_cfg) -> None:
-    """Raise naming every private name of megatron-core the generation path needs and the
-    installed release does not have (module docstring); log which alternatives are in use."""
-    problems = changed_names(engine, generation_cfg)
+def check_class_names(model, generation_cfg, num_speculative_tokens: int) -> None:
+    """Before an engine with drafts is built: raise naming every class member it needs that the
+    installed release does not have (:func:`class_names_changed`)."""
+    if num_speculative_tokens:
+        _raise_if_changed(class_names_changed(model, generation_cfg))
+
+
+def _raise_if_changed(problems: list[str]) -> None:
     if problems:
         from nemo_rl_mtp.models.generation.engine_release import megatron_release
 
@@ -95,6 +109,12 @@ def check_engine_names(engine, generation_cfg) -> None:
             f"{'; '.join(problems)}. Set policy.generation.num_speculative_tokens=0, or adapt "
             "nemo_rl_mtp/models/generation to the release"
         )
+
+
+def check_engine_names(engine, generation_cfg) -> None:
+    """Raise naming every private name of megatron-core the generation path needs and the
+    installed release does not have (module docstring); log which alternatives are in use."""
+    _raise_if_changed(changed_names(engine, generation_cfg))
     controller = engine.controller
     if not getattr(controller, "num_speculative_tokens", 0):
         return
@@ -167,11 +187,18 @@ def _missing_hidden_states() -> str:
     return "the step's decoder hidden states (neither context.mtp_decoder_hidden_states nor model._decoder_hidden_states_cache)"
 
 
+def sampling_backend(controller):
+    """megatron's sampling backend of the controller (0.18 on; None before), under rejection
+    sampling's wrapper where it is installed."""
+    backend = getattr(controller, "_sampling", None)
+    return getattr(backend, "_backend", backend)
+
+
 def verification_rows_hook(controller) -> str | None:
     """How the installed controller samples its verification rows: ``sampling
     backend.sample_speculative`` or ``controller._sample_speculative_logits`` (None: neither, with
     the parameters rejection sampling replaces)."""
-    backend = getattr(controller, "_sampling", None)
+    backend = sampling_backend(controller)
     if backend is not None and _takes(getattr(type(backend), "sample_speculative", None), BACKEND_SAMPLE_SPECULATIVE):
         return "sampling backend.sample_speculative"
     from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
@@ -190,7 +217,7 @@ def _missing_verification_rows() -> str:
 
 def native_log_probs(controller):
     """The sampling backend's ``log_probs_kernel`` (0.19), or None."""
-    backend = getattr(controller, "_sampling", None)
+    backend = sampling_backend(controller)
     method = getattr(type(backend), "log_probs_kernel", None) if backend is not None else None
     return getattr(backend, "log_probs_kernel") if _takes(method, BACKEND_LOG_PROBS) else None
 
@@ -223,7 +250,7 @@ def release_sampler(controller):
     """The installed release's torch sampling function ``(logits, temperature, top_k, top_p,
     generator) -> tokens``, or None: the backend's ``sample_from_logits`` (0.18, 0.19) or the
     controller's ``_torch_sampling_func`` (0.17, which draws from ``sampling_rng``)."""
-    backend = getattr(controller, "_sampling", None)
+    backend = sampling_backend(controller)
     sample = getattr(type(backend), "sample_from_logits", None) if backend is not None else None
     if _takes(sample, ["last_token_logits", "temperature", "top_k", "top_p"]):
         return lambda logits, t, k, p, generator: sample(logits, t, k, p, generator=generator)

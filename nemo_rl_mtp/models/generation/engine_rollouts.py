@@ -142,6 +142,7 @@ def build_engine(model, policy_cfg: PolicyConfig, num_speculative_tokens: int):
     unsupported = engine_release.unsupported_speculation(num_speculative_tokens, policy_cfg.megatron_cfg) if num_speculative_tokens else None
     if unsupported is not None:
         raise ValueError(unsupported)
+    engine_compat.check_class_names(model, policy_cfg.generation, num_speculative_tokens)
     with modes_restored(model):
         cpu_inference_runtime.install()
         if num_speculative_tokens:

@@ -115,22 +115,61 @@ def test_every_private_engine_name_the_speculation_path_needs_is_in_the_installe
     assert engine_compat.changed_names(RolloutEngine(policy, cfg).engine, cfg.generation) == []
 
 
+def _mtp_layer_class():
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    return MultiTokenPredictionLayer
+
+
 @pytest.mark.parametrize(
     "owner, name",
-    [(text_generation_controller.TextGenerationController, "_compute_serial_mtp_and_sample"), (DynamicInferenceEngine, "_spec_steps")],
+    [
+        (text_generation_controller.TextGenerationController, "_compute_serial_mtp_and_sample"),
+        (text_generation_controller.TextGenerationController, "_sample_from_logits_2d"),
+        (text_generation_controller.TextGenerationController, "_verify_speculative_tokens"),
+        (text_generation_controller.TextGenerationController, "_dynamic_step_sample_logits_and_verify_tokens"),
+        (text_generation_controller.TextGenerationController, "_last_accepted_seq_indices"),
+        (text_generation_controller.TextGenerationController, "_accepted_tokens_per_request"),
+        (DynamicInferenceEngine, "_spec_steps"),
+        (lambda: type(engine_compat.sampling_backend(RolloutEngine(*make_policy(**engine_overrides(1, 1))).engine.controller)), "sample_speculative"),
+        (_mtp_layer_class, "forward_single_position"),
+    ],
 )
 def test_a_renamed_private_name_stops_the_engine_build_naming_it(monkeypatch, owner, name):
-    """An override megatron no longer calls would leave its own drafting in place, silently."""
+    """An override megatron no longer calls would leave its own drafting or verification in place,
+    silently. The real class, its member removed (an instance attribute: removed after the
+    constructor or reset sets it)."""
+    owner = owner if isinstance(owner, type) else owner()
     policy, cfg = make_policy(**engine_overrides(1, 1))
-    if name == "_spec_steps":  # an instance attribute: hide it behind a class that drops it
-        original_reset = DynamicInferenceEngine.reset
-
-        def reset_without_counter(self):
-            original_reset(self)
-            del self._spec_steps
-
-        monkeypatch.setattr(DynamicInferenceEngine, "reset", reset_without_counter)
+    if hasattr(owner, name):
+        monkeypatch.delattr(next(cls for cls in owner.__mro__ if name in vars(cls)), name)
     else:
-        monkeypatch.delattr(owner, name)
+        setter = "reset" if owner is DynamicInferenceEngine else "__init__"
+        original = getattr(owner, setter)
+
+        def without_attribute(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.__dict__.pop(name, None)
+
+        monkeypatch.setattr(owner, setter, without_attribute)
     with pytest.raises(RuntimeError, match=name):
         RolloutEngine(policy, cfg)
+
+
+def test_without_the_backends_log_probs_kernel_rejection_sampling_writes_the_distribution_out(monkeypatch, caplog):
+    """The fallback where the sampling backend has no ``log_probs_kernel`` (0.17, 0.18), on the
+    installed release with the kernel removed from the real class: logged, and the same rollouts
+    from the same seed as with the kernel (the same distribution, drawn from the same generator)."""
+    overrides = engine_overrides(2, 2, generation__temperature=0.7, generation__top_p=0.9)
+    policy, cfg = make_policy(**overrides)
+    native = generate(RolloutEngine(policy, cfg), PROMPTS, seed=5)
+    backend = engine_compat.sampling_backend(RolloutEngine(policy, cfg).engine.controller)
+    for cls in type(backend).__mro__:
+        if "log_probs_kernel" in vars(cls):
+            monkeypatch.delattr(cls, "log_probs_kernel")
+    with caplog.at_level(logging.INFO):
+        engine = RolloutEngine(policy, cfg)
+    assert engine.engine.controller._native_log_probs is None
+    assert "the sampling distribution written out" in caplog.text
+    written_out = generate(engine, PROMPTS, seed=5)
+    assert torch.equal(written_out["tokens"], native["tokens"]) and torch.equal(written_out["draft_accepted"], native["draft_accepted"])
