@@ -209,9 +209,11 @@ def mtp_parameters(gpt_model) -> list[torch.nn.Parameter]:
 def optimizer_skipping(optimizer, parameters: list[torch.nn.Parameter]):
     """Within the block, the torch optimizers under megatron's leave ``parameters`` alone: a step
     pre-hook (torch's) clears the gradient of each tensor they would update for one of them, and
-    torch's optimizers skip a tensor without gradient (no update, no weight decay, no state
+    torch's optimizers skip a tensor without gradient (no update, no weight decay, no moment
     change). That tensor is the parameter itself, or its fp32 main copy under megatron's
-    mixed-precision optimizer (``float16_groups`` -> ``fp32_from_float16_groups``)."""
+    mixed-precision optimizer (``float16_groups`` -> ``fp32_from_float16_groups``). A step
+    post-hook then advances the skipped tensors' step counters with the others': megatron's
+    checkpoint keeps one step count for all parameters and refuses to save counts that differ."""
     if not parameters:
         yield
         return
@@ -221,6 +223,7 @@ def optimizer_skipping(optimizer, parameters: list[torch.nn.Parameter]):
             updated = _tensors_updated_for(wrapper, parameters)
             if updated:
                 handles.append(wrapper.optimizer.register_step_pre_hook(partial(_clear_gradients, updated)))
+                handles.append(wrapper.optimizer.register_step_post_hook(partial(_advance_step_counts, updated)))
         yield
     finally:
         for handle in handles:
@@ -238,6 +241,15 @@ def _tensors_updated_for(wrapper, parameters: list[torch.nn.Parameter]) -> list[
 def _clear_gradients(tensors: list[torch.Tensor], _optimizer, _args, _kwargs) -> None:
     for tensor in tensors:
         tensor.grad = None
+
+
+def _advance_step_counts(tensors: list[torch.Tensor], optimizer, _args, _kwargs) -> None:
+    """Count the step the skipped ``tensors`` sat out, as torch's optimizers count it for the
+    tensors they updated (those without state yet, never stepped, stay without)."""
+    for tensor in tensors:
+        state = optimizer.state.get(tensor)
+        if state and "step" in state:
+            state["step"] = state["step"] + 1
 
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nemo_rl_mtp.models.megatron.checkpoint import save_policy
 from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
 from nemo_rl_mtp.models.megatron.train import IMITATION, MTPTraining, forward_backward_global_batch, train_global_batch
 from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorker
@@ -29,7 +30,7 @@ def step(policy, cfg, batch, mtp=None):
 
 
 @pytest.mark.parametrize("loss_type", ["cross_entropy", "total_variation"])
-def test_frozen_heads_do_not_move_while_the_rest_trains(loss_type):
+def test_frozen_heads_do_not_move_while_the_rest_trains(loss_type, tmp_path):
     policy, cfg = make_policy(mtp_frozen_during_rl=True, megatron_cfg__mtp_loss_type=loss_type, **POLICY)
     batch = make_batch(RAGGED_RESPONSES)
     warm = step(policy, cfg, batch, IMITATION)  # the warm start trains the heads and gives Adam momentum
@@ -43,6 +44,11 @@ def test_frozen_heads_do_not_move_while_the_rest_trains(loss_type):
     assert metrics["mtp/grad_norm"] == 0.0
     for key in ("mtp_1_loss", "mtp_2_acceptance_rate", "mtp/mtp_1_expected_acceptance", "mtp/mtp_2_expected_acceptance"):
         assert metrics[key] > 0, key
+    # megatron's checkpoint keeps one optimizer step count for all parameters: a frozen step counts
+    # for the heads too, and the run can still be saved.
+    steps = {float(state["step"]) for state in policy.optimizer.optimizer.state.values()}
+    assert steps == {2.0}, steps
+    save_policy(policy, tmp_path / "step_000002")
 
 
 def test_frozen_heads_send_no_gradient_anywhere():
