@@ -28,11 +28,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 
 import torch
 from megatron.core import parallel_state
 
 from nemo_rl_mtp.models.megatron.common import backward_seed_over, sum_over_data_parallel
+
+logger = logging.getLogger(__name__)
 
 MOE_CONFIG_KEYS = ("num_moe_experts", "moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
 
@@ -112,6 +115,20 @@ def router_names_changed() -> list[str]:
         if not set(needed) <= set(parameters):
             problems.append(f"TopKRouter.{name} (no parameter {sorted(set(needed) - set(parameters))[0]}; parameters now {list(parameters)})")
     return problems
+
+
+def install_router_gemm_fallback() -> bool:
+    """Compat: megatron-core 0.16's router GEMM checks ``te_general_gemm is not None`` but binds
+    the name only where Transformer Engine imports, so without TE every MoE router raises
+    NameError. Where the module lacks the name it is bound to None (megatron's torch GEMM path);
+    a release that binds it is left alone. Idempotent; returns whether it was bound here."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    logger.info("moe_utils.te_general_gemm unbound without Transformer Engine (megatron-core 0.16): bound to None, the torch GEMM")
+    return True
 
 
 def count_global_router_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -69,6 +69,8 @@ def build_transformer_config(megatron_cfg, architecture: Optional[ModelArchitect
     this project's training settings on top."""
     compat.check_mtp_features_supported(megatron_cfg)
     moe.check_moe_supported(megatron_cfg)
+    if megatron_cfg.num_moe_experts:
+        moe.install_router_gemm_fallback()
     config_kwargs = dict(architecture.config_fields) if architecture is not None else scratch_architecture(megatron_cfg)
     config_kwargs.update(training_settings(megatron_cfg))
     _apply_mtp_config(config_kwargs, megatron_cfg)

@@ -53,9 +53,9 @@ def _per_step_reads(engine: RolloutEngine) -> list[Counter]:
 
 
 def _decode_steps_take_the_varlen_attention(engine: RolloutEngine, monkeypatch) -> bool:
-    """Probe: whether megatron's attention runs a speculative decode step (k + 1 queries per
-    request) through the variable-length prefill kernel, as 0.17 and 0.18 do (0.19: the paged
-    decode kernel). The bounds below are derived for the decode kernel."""
+    """Probe: whether megatron's attention runs decode steps through the variable-length prefill
+    kernel, as 0.16 does and 0.17 does with drafts (k + 1 queries per request); 0.19 runs the paged
+    decode kernel. The bounds below are derived for the decode kernel."""
     from megatron.core.transformer import attention
 
     calls = []
@@ -72,10 +72,10 @@ def test_a_decode_step_reads_the_host_a_fixed_number_of_times(k, monkeypatch):
     num_layers = 2
     policy, cfg = make_policy(**engine_overrides(k, 2, megatron_cfg__num_layers=num_layers))
     engine = RolloutEngine(policy, cfg)
-    if k and _decode_steps_take_the_varlen_attention(engine, monkeypatch):
+    if _decode_steps_take_the_varlen_attention(engine, monkeypatch):
         from nemo_rl_mtp.models.generation.engine_release import megatron_release
 
-        pytest.skip(f"{megatron_release()}: a speculative decode step runs megatron's varlen prefill attention, not the decode kernel these bounds are derived for")
+        pytest.skip(f"{megatron_release()}: its decode steps (k = {k}) run megatron's varlen prefill attention, not the decode kernel these bounds are derived for")
     speculative_walks = []  # per step: whether the engine's walk got the step's accepted drafts
     walk = engine.engine.post_process_requests
     monkeypatch.setattr(

@@ -131,7 +131,7 @@ def _mtp_layer_class():
         (text_generation_controller.TextGenerationController, "_last_accepted_seq_indices"),
         (text_generation_controller.TextGenerationController, "_accepted_tokens_per_request"),
         (DynamicInferenceEngine, "_spec_steps"),
-        (lambda: type(engine_compat.sampling_backend(RolloutEngine(*make_policy(**engine_overrides(1, 1))).engine.controller)), "sample_speculative"),
+        ("the verification rows' hook", "sample_speculative|_sample_speculative_logits"),
         (_mtp_layer_class, "forward_single_position"),
     ],
 )
@@ -139,8 +139,11 @@ def test_a_renamed_private_name_stops_the_engine_build_naming_it(monkeypatch, ow
     """An override megatron no longer calls would leave its own drafting or verification in place,
     silently. The real class, its member removed (an instance attribute: removed after the
     constructor or reset sets it)."""
-    owner = owner if isinstance(owner, type) else owner()
     policy, cfg = make_policy(**engine_overrides(1, 1))
+    if owner == "the verification rows' hook":  # the sampling backend's (0.18 on), else the controller's (0.17)
+        backend = engine_compat.sampling_backend(RolloutEngine(policy, cfg).engine.controller)
+        owner, name = (type(backend), "sample_speculative") if backend is not None else (text_generation_controller.TextGenerationController, "_sample_speculative_logits")
+    owner = owner if isinstance(owner, type) else owner()
     if hasattr(owner, name):
         monkeypatch.delattr(next(cls for cls in owner.__mro__ if name in vars(cls)), name)
     else:

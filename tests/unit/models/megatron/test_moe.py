@@ -192,7 +192,7 @@ def test_a_renamed_router_name_is_refused_naming_it(monkeypatch, renamed):
 def test_the_routed_token_counts_find_the_padding_mask_by_name():
     """The same router call with the padding mask by position and by keyword counts the same tokens,
     and fewer than without it (the control)."""
-    policy, _ = make_policy(**MOE)
+    policy, _ = make_policy(**MOE, megatron_cfg__moe_aux_loss_coeff=0.0)
     router = moe.routers_of(policy.model.module)[0]
     hidden = torch.randn(6, 2, router.config.hidden_size)
     padding = torch.zeros(2, 6, dtype=torch.bool)
