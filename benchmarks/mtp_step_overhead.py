@@ -17,7 +17,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl_mtp.data.synthetic import synthetic_rl_batch
-from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
 from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy
 from nemo_rl_mtp.models.megatron.train import train_global_batch
 from nemo_rl_mtp.utils.config import load_config
@@ -55,8 +54,7 @@ def main() -> None:
     def step(name: str) -> float:
         policy, policy_cfg = variants[name]
         start = time.perf_counter()
-        _, num_microbatches = train_global_batch(policy, batch, LOSS, policy_cfg)
-        get_mtp_metrics(num_microbatches)
+        train_global_batch(policy, batch, LOSS, policy_cfg)
         return time.perf_counter() - start
 
     flops = {}

@@ -389,7 +389,7 @@ def main() -> None:
             for _ in range(args.train_steps):
                 demonstrations = demonstration_batch(*counting_task(args.train_batch, args.train_length, generator), TOKENIZER.pad_id)
                 metrics = imitation_step(policy, demonstrations, base)
-            shown = ", ".join(f"{metrics[f'mtp_{i}_acceptance_rate']:.0f}%" for i in range(1, args.mtp_layers + 1))
+            shown = ", ".join(f"{metrics[f'mtp/mtp_{i}_acceptance_rate']:.0f}%" for i in range(1, args.mtp_layers + 1))
             print(f"after {args.train_steps} imitation steps: training-side MTP acceptance {shown}", flush=True)
         for new_tokens in args.new_tokens:
             for batch in args.batches:

@@ -38,7 +38,6 @@ def measure(reference_dir: Path, save_reference: bool, shims: bool) -> list[dict
         compat.apply_mtp_compat_shims = lambda: []
 
     from nemo_rl_mtp.data.synthetic import synthetic_rl_batch
-    from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
     from nemo_rl_mtp.models.megatron.compat import megatron_core_version
     from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy
     from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
@@ -76,14 +75,14 @@ def measure(reference_dir: Path, save_reference: bool, shims: bool) -> list[dict
             if save_reference and not weights_path.exists():
                 torch.save(_canonical(module.state_dict()), weights_path)
             module.load_state_dict(_release_names(torch.load(weights_path), module.state_dict()))
-            metrics, num_microbatches = forward_backward_global_batch(policy, batch, loss_fn, cfg.policy)
-            metrics.update(get_mtp_metrics(num_microbatches))
+            # The step's guard raises where MTP silently does not train (shims off before 0.19).
+            metrics = forward_backward_global_batch(policy, batch, loss_fn, cfg.policy)
             grads = _canonical({name: param.main_grad.clone() for name, param in module.named_parameters()})
             grads_path = reference_dir / f"grads_{recompute}_{packed}.pt"
             if save_reference:
                 torch.save(grads, grads_path)
             reference = torch.load(grads_path)
-            trained = "mtp_1_loss" in metrics and metrics["mtp/grad_norm"] > 0
+            trained = "mtp/mtp_1_loss" in metrics and metrics["mtp/grad_norm"] > 0
             case.update(
                 status="ok" if trained else "silent: no MTP loss, zero MTP gradient",
                 metrics={key: value for key, value in metrics.items() if key.startswith("mtp")},
@@ -165,8 +164,8 @@ def format_table(results: list[dict]) -> str:
             continue
         m = case["metrics"]
         lines.append(
-            f"{case['release']:9} {shims:5} {case['recompute']:9} {layout:7} {'ok':10} {m['mtp_1_loss']:10.6f} {m['mtp_2_loss']:10.6f} "
-            f"{m['mtp_1_acceptance_rate']:7.2f} {m['mtp_2_acceptance_rate']:7.2f} "
+            f"{case['release']:9} {shims:5} {case['recompute']:9} {layout:7} {'ok':10} {m['mtp/mtp_1_loss']:10.6f} {m['mtp/mtp_2_loss']:10.6f} "
+            f"{m['mtp/mtp_1_acceptance_rate']:7.2f} {m['mtp/mtp_2_acceptance_rate']:7.2f} "
             f"{case.get('max_loss_diff', float('nan')):17.2e} {case['max_grad_diff']:17.2e}"
         )
     return "\n".join(lines)

@@ -89,49 +89,44 @@ def recompute_sampler(
     over the real vocabulary. Returns each prompt followed by its response."""
     from nemo_rl_mtp.models.megatron import cpu_runtime
     from nemo_rl_mtp.models.megatron.data import causal_attention_mask
+    from nemo_rl_mtp.models.megatron.module_modes import eval_mode
 
     model = policy.model.module
     generator = torch.Generator().manual_seed(seed)
     sequences = [list(prompt) for prompt in prompts]
     active = list(range(len(prompts)))
-    model.eval()
-    try:
-        with torch.no_grad(), cpu_runtime.device_scope():
-            for _ in range(max_new_tokens):
-                width = max(len(sequences[row]) for row in active)
-                input_ids = torch.zeros(len(active), width, dtype=torch.long)
-                for index, row in enumerate(active):
-                    input_ids[index, : len(sequences[row])] = torch.tensor(sequences[row])
-                logits = model(
-                    input_ids=input_ids,
-                    position_ids=torch.arange(width).expand_as(input_ids),
-                    attention_mask=causal_attention_mask(width),
-                )
-                last = torch.tensor([len(sequences[row]) - 1 for row in active])
-                logits = logits[torch.arange(len(active)), last, : policy.vocab_size].float()
-                if temperature == 0.0:
-                    next_tokens = logits.argmax(dim=-1)
-                else:
-                    next_tokens = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-                for row, token in zip(active, next_tokens.tolist()):
-                    sequences[row].append(token)
-                active = [row for row in active if sequences[row][-1] != eos_id]
-                if not active:
-                    break
-    finally:
-        model.train()
+    with eval_mode(model), torch.no_grad(), cpu_runtime.device_scope():
+        for _ in range(max_new_tokens):
+            width = max(len(sequences[row]) for row in active)
+            input_ids = torch.zeros(len(active), width, dtype=torch.long)
+            for index, row in enumerate(active):
+                input_ids[index, : len(sequences[row])] = torch.tensor(sequences[row])
+            logits = model(
+                input_ids=input_ids,
+                position_ids=torch.arange(width).expand_as(input_ids),
+                attention_mask=causal_attention_mask(width),
+            )
+            last = torch.tensor([len(sequences[row]) - 1 for row in active])
+            logits = logits[torch.arange(len(active)), last, : policy.vocab_size].float()
+            if temperature == 0.0:
+                next_tokens = logits.argmax(dim=-1)
+            else:
+                next_tokens = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+            for row, token in zip(active, next_tokens.tolist()):
+                sequences[row].append(token)
+            active = [row for row in active if sequences[row][-1] != eos_id]
+            if not active:
+                break
     return sequences
 
 
 def eval_forward_logits(policy, tokens: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The policy's logits [B, S, V] and each MTP depth's [B, S, V], from one eval-mode forward of
     megatron's GPTModel over plain rows (the MTP block's own output, through the output layer)."""
-    policy.model.module.eval()
-    try:
-        with torch.no_grad():
-            return forward_logits(policy, tokens, loss_mask.float())
-    finally:
-        policy.model.module.train()
+    from nemo_rl_mtp.models.megatron.module_modes import eval_mode
+
+    with eval_mode(policy.model.module), torch.no_grad():
+        return forward_logits(policy, tokens, loss_mask.float())
 
 
 def forward_logits(policy, tokens: torch.Tensor, loss_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -27,7 +27,7 @@ from nemo_rl_mtp.data.interfaces import PromptSource, TaskPrompt
 from nemo_rl_mtp.data.tokenizer import load_tokenizer
 from nemo_rl_mtp.environments import setup_task
 from nemo_rl_mtp.environments.interfaces import EnvironmentInterface
-from nemo_rl_mtp.models.generation.speculation import check_speculation_supported, speculation_metrics
+from nemo_rl_mtp.models.generation.speculation import speculation_metrics
 from nemo_rl_mtp.utils.checkpoint import PARTIAL_SUFFIX, CheckpointDirectory
 from nemo_rl_mtp.utils.config import EXEMPLAR_CONFIG, ConfigError, resolve_checkpoint_keys
 from nemo_rl_mtp.utils.config_schema import GRPOConfig, LoggerConfig, MasterConfig
@@ -127,15 +127,8 @@ def preflight_checks(cfg: MasterConfig) -> None:
             "policy.megatron_cfg.transformer_impl=transformer_engine, but transformer_engine is not installed "
             "(it needs CUDA); install it on the GPU nodes or use transformer_impl=auto"
         )
-    from nemo_rl_mtp.models.megatron.compat import check_mtp_features_supported
-    from nemo_rl_mtp.models.megatron.moe import check_moe_supported
-
-    try:
-        check_mtp_features_supported(cfg.policy.megatron_cfg)
-        check_moe_supported(cfg.policy.megatron_cfg)
-        check_speculation_supported(cfg.policy.generation, cfg.policy.megatron_cfg)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    # What the config asks of the installed megatron-core was checked with the config
+    # (utils/config.py, _check_installed_release).
 
 
 def _check_local_cpus(cluster) -> None:
@@ -354,7 +347,7 @@ def warm_up(cfg: MasterConfig, policy, prompts: PromptSource, pad_id: int) -> di
         metrics = policy.imitate(prompt_demonstrations(batch_prompts, pad_id), grpo.warmup_lr)
     if not metrics:
         return {}
-    acceptance = metrics.get("mtp_1_acceptance_rate")
+    acceptance = metrics.get("mtp/mtp_1_acceptance_rate")
     logger.info(
         "warm start: %d imitation steps in %.0f s; loss %.3f%s", cfg.grpo.warmup_imitation_steps,
         time.perf_counter() - start, metrics["loss"], "" if acceptance is None else f", MTP depth-1 acceptance {acceptance:.0f}%",

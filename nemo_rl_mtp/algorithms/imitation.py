@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
-from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
 from nemo_rl_mtp.models.megatron.inference import compute_logprobs
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
 from nemo_rl_mtp.models.megatron.train import IMITATION, train_global_batch
@@ -19,9 +18,8 @@ IMITATION_LOSS = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, referen
 
 
 def imitation_step(policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], policy_cfg: PolicyConfig) -> dict[str, float]:
-    """One optimizer step towards the batch's answers; returns the training metrics, MTP loss and
-    acceptance per layer included (``mtp_{i}_...``; the tracker is emptied)."""
+    """One optimizer step towards the batch's answers through the training step GRPO uses
+    (``train_global_batch``): the same metrics, MTP loss and acceptance per layer as
+    ``mtp/mtp_{i}_...``, and the same per-step MTP guard."""
     batch = {**batch, "prev_logprobs": compute_logprobs(policy, batch, policy_cfg)}
-    metrics, num_microbatches = train_global_batch(policy, batch, IMITATION_LOSS, policy_cfg, IMITATION)
-    metrics.update(get_mtp_metrics(num_microbatches))
-    return metrics
+    return train_global_batch(policy, batch, IMITATION_LOSS, policy_cfg, IMITATION)

@@ -354,7 +354,8 @@ def _validate_grpo(cfg: DictConfig) -> None:
     )
     if megatron.mtp_num_layers is None:  # from the checkpoint: checked again once resolved
         return
-    _validate_speculation(generation, megatron)
+    _validate_speculation(generation)
+    _check_installed_release(policy)
     longest_sequence = policy.max_total_sequence_length
     if policy.model_name is None and env.name == "digits":
         longest_prompt = env.max_digits + 2  # <bos> digits =
@@ -418,7 +419,9 @@ def _validate_mtp_depth(mtp_num_layers: int, longest_sequence: int) -> None:
     )
 
 
-def _validate_speculation(generation, megatron) -> None:
+def _validate_speculation(generation) -> None:
+    """The key's form; how many drafts the model and the installed engine allow is
+    ``speculation.check_speculation_supported``'s (``_check_installed_release``)."""
     k = generation.num_speculative_tokens
     _require(
         k == "auto" or (isinstance(k, int) and k >= 0),
@@ -426,12 +429,24 @@ def _validate_speculation(generation, megatron) -> None:
         k,
         "must be an integer >= 0 or auto",
     )
-    _require(
-        k == 0 or megatron.mtp_num_layers > 0,
-        "policy.generation.num_speculative_tokens",
-        k,
-        "speculation drafts with the MTP heads; set policy.megatron_cfg.mtp_num_layers > 0",
-    )
+
+
+def _check_installed_release(policy) -> None:
+    """What the config asks of the installed megatron-core (MTP features, MTP loss types, the
+    MoE loss normalisation, speculation): checked here, once per config, so every entry point
+    (the GRPO driver, benchmarks, tests) refuses it in one line before any model is built."""
+    from nemo_rl_mtp.models.generation.speculation import check_speculation_supported
+    from nemo_rl_mtp.models.megatron.compat import check_mtp_features_supported
+    from nemo_rl_mtp.models.megatron.moe import check_moe_supported
+
+    try:
+        check_mtp_features_supported(policy.megatron_cfg)
+        check_moe_supported(policy.megatron_cfg)
+        check_speculation_supported(policy.generation, policy.megatron_cfg)
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _require_in_range(key: str, value, lowest, lowest_allowed: bool, highest, highest_allowed: bool) -> None:

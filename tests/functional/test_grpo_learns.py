@@ -42,13 +42,13 @@ def test_default_recipe_reaches_high_validation_accuracy_with_the_mtp_head_train
 
     drafting = [row for row in rows if row["rollout/num_speculative_tokens"] == 1]
     print(
-        f"warm start: MTP acceptance {rows[0]['warmup/mtp_1_acceptance_rate']:.0f}%; val accuracy "
+        f"warm start: MTP acceptance {rows[0]['warmup/mtp/mtp_1_acceptance_rate']:.0f}%; val accuracy "
         f"{validated[0]['val/accuracy']:.3f} -> {validated[-1]['val/accuracy']:.3f}; reward {rows[0]['train/reward']:.3f} -> "
         f"{end('train/reward'):.3f}; MTP acceptance {end('train/mtp/mtp_1_acceptance_rate'):.1f}%; auto drafted in "
         f"{len(drafting)} of {len(rows)} steps, tokens per decode step there "
         f"{statistics.mean(row['rollout/tokens_per_decode_step'] for row in drafting) if drafting else float('nan'):.2f}"
     )
-    assert rows[0]["warmup/mtp_1_acceptance_rate"] > 80  # the warm start is logged, with the MTP head
+    assert rows[0]["warmup/mtp/mtp_1_acceptance_rate"] > 80  # the warm start is logged, with the MTP head
     assert validated[-1]["val/accuracy"] >= 0.9 and validated[-1]["val/accuracy"] >= validated[0]["val/accuracy"]
     assert end("train/reward") > 0.9
     assert end("train/mtp/mtp_1_acceptance_rate") > 90

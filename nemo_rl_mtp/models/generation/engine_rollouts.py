@@ -35,7 +35,9 @@ from nemo_rl_mtp.models.generation import (
 )
 from nemo_rl_mtp.models.generation.speculation import speculation_counts
 from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime
+from nemo_rl_mtp.models.megatron.module_modes import eval_mode
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
+from nemo_rl_mtp.models.megatron.vocabulary import mask_ids_past_vocabulary
 from nemo_rl_mtp.utils.config_schema import GenerationConfig, PolicyConfig
 
 logger = logging.getLogger(__name__)
@@ -169,17 +171,16 @@ def megatron_engine_class() -> type:
 
 @contextlib.contextmanager
 def modes_restored(model):
-    """For the duration, whatever happens inside: afterwards megatron's ``InferenceMode`` flag
-    (where the release has one) and every submodule's train/eval mode are what they were before,
-    not what a rollout or an engine build left, nor a mode forced on the whole model."""
+    """Eval mode for the duration; afterwards, whatever happens inside, megatron's ``InferenceMode``
+    flag (where the release has one) and every submodule's train/eval mode are what they were
+    before (``module_modes.eval_mode``), not what a rollout or an engine build left, nor a mode
+    forced on the whole model."""
     flag = engine_compat.inference_mode_flag()
     was_active = flag.is_active() if flag is not None else None
-    modes = [(module, module.training) for module in model.modules()]
     try:
-        yield
+        with eval_mode(model):
+            yield
     finally:
-        for module, training in modes:
-            module.training = training
         if flag is not None:
             flag.set_active() if was_active else flag.unset_active()
 
@@ -271,7 +272,6 @@ def rollout_mode(model):
     function mode costs a Python call per torch op: it took half of a rollout's time on the CPU."""
     flag = engine_compat.inference_mode_flag()
     with modes_restored(model), torch.no_grad():
-        model.eval()
         if flag is not None:
             flag.set_active()
         yield
@@ -296,18 +296,6 @@ def policy_sampling_distribution(model, temperature: float, vocab_size: int):
         yield
     finally:
         handle.remove()
-
-
-def mask_ids_past_vocabulary(logits: torch.Tensor, vocab_size: int, padded_vocab_size: int) -> torch.Tensor:
-    """-inf on ids >= ``vocab_size``, for full-vocabulary logits or this TP rank's shard."""
-    from megatron.core import parallel_state
-
-    width = logits.shape[-1]
-    first_id = 0 if width == padded_vocab_size else parallel_state.get_tensor_model_parallel_rank() * width
-    if first_id + width <= vocab_size:
-        return logits
-    ids = torch.arange(first_id, first_id + width, device=logits.device)
-    return logits.masked_fill(ids >= vocab_size, float("-inf"))
 
 
 def run_to_completion(engine, prompts: list[list[int]], sampling_params) -> tuple[list, int]:

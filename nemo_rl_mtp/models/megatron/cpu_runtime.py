@@ -29,8 +29,6 @@ from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
-_INSTALLED = False
-
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
@@ -47,16 +45,21 @@ def distributed_backend() -> str:
     return "nccl" if cuda_available() else "gloo"
 
 
+def is_installed() -> bool:
+    """Whether this process runs with the CPU adaptations (read from what they replace, so no
+    flag of ours can disagree with torch)."""
+    return torch.cuda.current_device is _cpu_current_device
+
+
 def install() -> bool:
     """Adapt megatron-core to the CPU when CUDA is unavailable. Idempotent.
 
     Returns True when the CPU adaptations are in place (installed now or earlier).
     """
-    global _INSTALLED
     if cuda_available():
         logger.info("cpu_runtime: CUDA is available, megatron-core runs unmodified")
         return False
-    if _INSTALLED:
+    if is_installed():
         return True
     from megatron.core.tensor_parallel import random as megatron_random
 
@@ -70,7 +73,6 @@ def install() -> bool:
     megatron_random._get_cuda_rng_state = _get_cpu_rng_state
     megatron_random._set_cuda_rng_state = _set_cpu_rng_state
     megatron_random.CudaRNGStatesTracker.add = _tracker_add_on_cpu_generator
-    _INSTALLED = True
     logger.info(
         "cpu_runtime: CUDA unavailable; megatron-core adapted to CPU (%d torch threads): "
         "torch.cuda.current_device -> cpu, torch.cuda.current_stream/synchronize -> no-ops, "

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
+from nemo_rl_mtp.models.megatron.vocabulary import first_padding_column
+
 DISTRIBUTION_LOSSES = ("soft_cross_entropy", "total_variation")
 # Elements of one [chunk, vocab/tp] float temporary: 2**24 floats are 64 MiB (110 rows at 150k).
 CHUNK_ELEMENTS = 1 << 24
@@ -37,12 +39,6 @@ _EXCLUDED = -1.0e30
 
 def chunk_rows(vocab_shard: int, chunk_elements: int | None = None) -> int:
     return max(1, (chunk_elements or CHUNK_ELEMENTS) // vocab_shard)
-
-
-def _first_padding_column(shard_size: int, vocab_size: int) -> int | None:
-    """Column of this rank's shard where the padding ids (>= vocab_size) start; None: none here."""
-    first_id = parallel_state.get_tensor_model_parallel_rank() * shard_size
-    return None if first_id + shard_size <= vocab_size else max(vocab_size - first_id, 0)
 
 
 def _tensor_parallel(values: torch.Tensor, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
@@ -97,7 +93,7 @@ class _DraftTerms(torch.autograd.Function):
     def forward(ctx, draft_logits, policy_logits, policy_index, mask, forecast_mask, scale, loss_type, temperature, vocab_size, chunk):
         vocab_shard = draft_logits.shape[-1]
         draft_rows, policy_rows = draft_logits.view(-1, vocab_shard), policy_logits.reshape(-1, vocab_shard)
-        padding_column = _first_padding_column(vocab_shard, vocab_size)
+        padding_column = first_padding_column(vocab_shard, vocab_size)
         write_gradient = loss_type is not None and ctx.needs_input_grad[0]
         loss_sums, overlap_sums = [], []
         for start in range(0, draft_rows.shape[0], chunk):
@@ -186,7 +182,7 @@ def overlap_sum(
     the heads' logits. ``policy_index`` [R] as in :func:`draft_terms`."""
     vocab_shard = draft_rows.shape[-1]
     policy_rows = policy_logits.reshape(-1, vocab_shard)
-    padding_column = _first_padding_column(vocab_shard, vocab_size)
+    padding_column = first_padding_column(vocab_shard, vocab_size)
     chunk = chunk_rows(vocab_shard, chunk_elements)
     sums = []
     for start in range(0, draft_rows.shape[0], chunk):
@@ -206,7 +202,7 @@ def entropy_sum(
     ``policy_logits`` [..., v/tp] (R rows; ``mask`` [R])."""
     vocab_shard = policy_logits.shape[-1]
     rows, weights = policy_logits.reshape(-1, vocab_shard), mask.reshape(-1).float()
-    padding_column = _first_padding_column(vocab_shard, vocab_size)
+    padding_column = first_padding_column(vocab_shard, vocab_size)
     chunk = chunk_rows(vocab_shard, chunk_elements)
     sums = []
     for start in range(0, rows.shape[0], chunk):

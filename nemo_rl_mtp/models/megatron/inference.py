@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from nemo_rl_mtp.models.megatron import cpu_runtime
 from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage
 from nemo_rl_mtp.models.megatron.data import Microbatch, microbatches_for_this_rank
+from nemo_rl_mtp.models.megatron.module_modes import eval_mode
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
 from nemo_rl_mtp.models.megatron.train import model_forward, run_schedule, token_logprobs
 
@@ -25,12 +26,8 @@ def forward_only(model, microbatches: list[Microbatch], outputs_of_logits) -> li
         logits = model_forward(model, microbatch)
         return logits, lambda output: (torch.zeros((), device=output.device), outputs_of_logits(microbatch, output))
 
-    model.eval()
-    try:
-        with torch.no_grad(), cpu_runtime.device_scope(), mtp_block_skipped(model.module):
-            return run_schedule(model, microbatches, forward_step, forward_only=True)
-    finally:
-        model.train()
+    with eval_mode(model), torch.no_grad(), cpu_runtime.device_scope(), mtp_block_skipped(model.module):
+        return run_schedule(model, microbatches, forward_step, forward_only=True)
 
 
 @contextlib.contextmanager

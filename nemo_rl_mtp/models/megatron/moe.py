@@ -20,7 +20,9 @@ over the whole global batch instead (Qiu et al. 2025, "global load balancing", a
 sends to each expert (padding excluded, summed over ranks). Every microbatch's aux loss
 E * c / (k T^2) * sum_e F_e * sum_{x in microbatch} p_e(x) then uses those counts F_e and token
 total T, so the losses of the microbatches add up to the global batch's, whatever the split. The
-price is that extra forward pass per step.
+price is that extra forward pass per step. The TransformerConfig says ``global_aux_loss``
+(megatron's load balancing at global-batch level, whose running average over the microbatches
+seen so far depends on the split), and during training the routers' global aux loss is this one.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def moe_enabled(config) -> bool:
 
 
 GLOBAL_BATCH_AUX_LOSS = "global_batch_aux_loss"
+# megatron's name for load balancing at global-batch level: what the TransformerConfig says.
+MEGATRON_GLOBAL_AUX_LOSS = "global_aux_loss"
 
 
 def uses_global_load_statistics(megatron_cfg) -> bool:
@@ -58,7 +62,7 @@ def moe_config_kwargs(megatron_cfg) -> dict:
         return {}
     kwargs = {key: megatron_cfg[key] for key in MOE_CONFIG_KEYS}
     if uses_global_load_statistics(megatron_cfg):
-        kwargs["moe_router_load_balancing_type"] = "aux_loss"  # with the global statistic swapped in
+        kwargs["moe_router_load_balancing_type"] = MEGATRON_GLOBAL_AUX_LOSS  # computed as ours in training
     kwargs["moe_ffn_hidden_size"] = megatron_cfg.moe_ffn_hidden_size or megatron_cfg.ffn_hidden_size
     kwargs["moe_grouped_gemm"] = False
     return kwargs
@@ -94,7 +98,7 @@ def check_moe_supported(megatron_cfg) -> None:
 # they need (by name): the aux loss replaced per router, the padding mask the token counts read,
 # the loss attached with a valid-token count.
 ROUTER_METHODS = {
-    "_apply_aux_loss": ["probs", "scores_for_aux_loss", "routing_map"],
+    "_apply_global_aux_loss": ["probs", "scores_for_aux_loss", "routing_map"],
     "forward": ["padding_mask"],
     "attach_and_log_load_balancing_loss": ["activation", "aux_loss_coeff", "aux_loss", "aux_loss_name", "reduce_group", "valid_token_count"],
     "get_aux_loss_coeff": ["aux_loss_type"],
@@ -190,7 +194,7 @@ def global_load_statistics(counts: dict, global_router_tokens: torch.Tensor):
     from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
     def global_aux_loss(router, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
-        coefficient = router.get_aux_loss_coeff("aux_loss")
+        coefficient = router.get_aux_loss_coeff(MEGATRON_GLOBAL_AUX_LOSS)
         if coefficient == 0:
             return probs
         tokens_per_expert = counts[router]
@@ -207,12 +211,12 @@ def global_load_statistics(counts: dict, global_router_tokens: torch.Tensor):
         return router.attach_and_log_load_balancing_loss(probs, coefficient, aux_loss, "load_balancing_loss", router.tp_cp_group, valid_token_count=valid)
 
     for router in counts:
-        router._apply_aux_loss = functools.partial(global_aux_loss, router)
+        router._apply_global_aux_loss = functools.partial(global_aux_loss, router)
     try:
         yield
     finally:
         for router in counts:
-            del router._apply_aux_loss
+            del router._apply_global_aux_loss
 
 
 def get_moe_metrics(config, num_microbatches: int, global_statistics: bool) -> dict[str, float]:

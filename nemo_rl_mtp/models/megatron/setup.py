@@ -41,6 +41,8 @@ class MegatronPolicyModel:
     transformer_impl: str
     # The tokenizer's vocabulary; the output layer may hold a few more (padding) ids.
     vocab_size: int
+    # Once-per-policy warnings its training steps have given (train.py), so they are not repeated.
+    warned: set = dataclasses.field(default_factory=set)
 
 
 def initialize_model_parallel(megatron_cfg, rank: int, world_size: int, init_method: str) -> None:
@@ -67,10 +69,8 @@ def initialize_model_parallel(megatron_cfg, rank: int, world_size: int, init_met
 def build_transformer_config(megatron_cfg, architecture: Optional[ModelArchitecture] = None) -> TransformerConfig:
     """The architecture (``architecture`` of an imported checkpoint, else the config's keys) with
     this project's training settings on top."""
-    compat.check_mtp_features_supported(megatron_cfg)
-    moe.check_moe_supported(megatron_cfg)
     if megatron_cfg.num_moe_experts:
-        moe.install_router_gemm_fallback()
+        moe.install_router_gemm_fallback()  # a compat binding, in each process that builds a model
     config_kwargs = dict(architecture.config_fields) if architecture is not None else scratch_architecture(megatron_cfg)
     config_kwargs.update(training_settings(megatron_cfg))
     _apply_mtp_config(config_kwargs, megatron_cfg)
@@ -142,7 +142,7 @@ def _apply_mtp_config(config_kwargs: dict, megatron_cfg) -> None:
     With ``mtp_num_layers: 0`` (or absent) nothing is copied, so a non-MTP recipe builds exactly
     the model it would without MTP support. A key the installed release's TransformerConfig lacks
     is left out when it asks for nothing (false); asking for it is rejected earlier
-    (``compat.check_mtp_features_supported``).
+    with the config (``compat.check_mtp_features_supported``, from ``utils/config.py``).
     """
     if "mtp_num_layers" not in megatron_cfg or not megatron_cfg["mtp_num_layers"]:
         if config_kwargs.get("mtp_num_layers"):  # an imported architecture with MTP layers, turned off

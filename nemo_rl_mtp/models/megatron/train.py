@@ -9,7 +9,13 @@ The MTP path, step by step:
                                   forecast and, with ``mtp_loss_type`` other than megatron's cross
                                   entropy, the loss on the policy's distribution
                                   (acceptance_forecast.py, draft_distributions.py)
-  6. ``get_mtp_metrics``         - per-layer loss and acceptance after the step (common.py)
+  6. ``mtp_step_metrics``        - per-layer loss and acceptance from megatron's class-level
+                                  tracker, drained where the step ends; the per-step guard
+                                  (``compat.assert_mtp_trained``) fails a step whose MTP did not train
+
+``train_global_batch`` is the one training step: GRPO's (the policy worker's ``train``) and the
+imitation warm start's (``algorithms/imitation.py``) differ only in the loss and in
+``MTPTraining``; both return the same metrics, MTP ones as ``mtp/...`` keys.
 
 Normalisation. The policy loss of a microbatch is its token sum divided by G, the number of valid
 tokens in the whole global batch (all microbatches, all data-parallel ranks); DDP sums gradients
@@ -54,14 +60,22 @@ from nemo_rl_mtp.models.megatron.acceptance_forecast import (
 )
 from nemo_rl_mtp.models.megatron.compat.mtp_loss_callable import substituted_mtp_loss
 from nemo_rl_mtp.models.megatron.draft_distributions import draft_terms, entropy_sum, overlap_sum
-from nemo_rl_mtp.models.megatron.common import backward_seed_over, broadcast_from_last_pipeline_stage, sum_over_data_parallel
+from nemo_rl_mtp.models.megatron.common import (
+    backward_seed_over,
+    broadcast_from_last_pipeline_stage,
+    get_mtp_metrics,
+    sum_over_data_parallel,
+)
+from nemo_rl_mtp.models.megatron.compat import assert_mtp_trained
 from nemo_rl_mtp.models.megatron.data import (
     Microbatch,
     compute_mtp_loss_mask,
     local_valid_tokens,
     microbatches_for_this_rank,
 )
+from nemo_rl_mtp.models.megatron.module_modes import eval_mode
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel, mtp_enabled
+from nemo_rl_mtp.models.megatron.vocabulary import mask_ids_past_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -90,30 +104,48 @@ IMITATION = MTPTraining("cross_entropy", frozen=False)
 
 def train_global_batch(
     policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], loss_fn: PolicyLossFn, policy_cfg, mtp: MTPTraining | None = None
-) -> tuple[dict[str, float], int]:
-    """Forward/backward over this rank's share of one global batch, then one optimizer step;
-    ``mtp``: how the MTP heads train (None: as configured for GRPO steps).
+) -> dict[str, float]:
+    """The training step (GRPO and imitation alike): forward/backward over this rank's share of
+    one global batch, then one optimizer step; ``mtp``: how the MTP heads train (None: as
+    configured for GRPO steps).
 
-    Returns the step's metrics (global over data-parallel ranks) and the number of microbatches.
+    Returns the step's metrics, global over data-parallel ranks and the same on every pipeline
+    stage (``forward_backward_global_batch``), with ``grad_norm`` and ``update_successful``.
     """
     mtp = mtp or MTPTraining.during_rl(policy_cfg)
-    metrics, num_microbatches = forward_backward_global_batch(policy, batch, loss_fn, policy_cfg, mtp)
+    metrics = forward_backward_global_batch(policy, batch, loss_fn, policy_cfg, mtp)
     metrics.update(optimizer_step(policy, frozen_mtp=mtp.frozen))
-    return metrics, num_microbatches
+    return metrics
 
 
 def forward_backward_global_batch(
     policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], loss_fn: PolicyLossFn, policy_cfg, mtp: MTPTraining | None = None
-) -> tuple[dict[str, float], int]:
+) -> dict[str, float]:
     """Gradients of the global batch's loss (policy + MTP) in the DDP grad buffers, finalised
-    (all-reduced over data parallel) by megatron's schedule."""
+    (all-reduced over data parallel) by megatron's schedule.
+
+    Returns the step's metrics: the loss function's, ``entropy``, ``global_valid_tokens``, MoE's,
+    and with MTP ``mtp/mtp_{i}_loss``, ``mtp/mtp_{i}_acceptance_rate``,
+    ``mtp/mtp_{i}_target_tokens``, ``mtp/mtp_{i}_expected_acceptance``, ``mtp/grad_norm`` and
+    ``mtp/global_valid_tokens``. megatron's MTP tracker is empty afterwards, raised or not; a step
+    whose MTP computed no loss or no gradient raises (``compat.assert_mtp_trained``)."""
     mtp = mtp or MTPTraining.during_rl(policy_cfg)
+    with mtp_tracker_emptied():
+        metrics, num_microbatches = _forward_backward(policy, batch, loss_fn, policy_cfg, mtp)
+        if mtp_enabled(policy.config):
+            metrics.update(mtp_step_metrics(policy, num_microbatches, metrics, mtp.frozen))
+    return metrics
+
+
+def _forward_backward(
+    policy: MegatronPolicyModel, batch: dict[str, torch.Tensor], loss_fn: PolicyLossFn, policy_cfg, mtp: MTPTraining
+) -> tuple[dict[str, float], int]:
     model, config = policy.model, policy.config
     device = cpu_runtime.compute_device()
     global_tokens = count_global_valid_tokens(batch, device)
     mtp_tokens = global_tokens
     if mtp_enabled(config):
-        warn_if_mtp_depths_are_reweighted(batch, config.mtp_num_layers)
+        warn_if_mtp_depths_are_reweighted(batch, config.mtp_num_layers, policy.warned)
         mtp_mask = compute_mtp_loss_mask(batch["token_mask"], batch["sample_mask"], batch["advantages"], policy_cfg.mtp_loss_mask_policy)
         batch = {**batch, "mtp_loss_mask": mtp_mask}
         mtp_tokens = count_global_mtp_tokens(mtp_mask, device)
@@ -150,6 +182,28 @@ def forward_backward_global_batch(
     return metrics, len(microbatches)
 
 
+@contextlib.contextmanager
+def mtp_tracker_emptied():
+    """megatron's ``MTPLossLoggingHelper.tracker`` is class-level: what one step leaves in it
+    (a step that raised half-way included) would be added into the next step's metrics. Emptied
+    when the step ends."""
+    try:
+        yield
+    finally:
+        MTPLossLoggingHelper.tracker.clear()
+
+
+def mtp_step_metrics(policy: MegatronPolicyModel, num_microbatches: int, step_metrics: dict[str, float], frozen: bool) -> dict[str, float]:
+    """Per MTP layer, loss, acceptance and target count from megatron's tracker (filled on the
+    last pipeline stage, shared with every stage), as ``mtp/...`` keys, after the per-step guard:
+    a step that computed no MTP loss, or no MTP gradient where one was due, raises."""
+    tracked = get_mtp_metrics(num_microbatches) if parallel_state.is_pipeline_last_stage() else None
+    tracked = broadcast_from_last_pipeline_stage(tracked)
+    assert_mtp_trained(
+        policy.config, tracked, step_metrics["mtp/grad_norm"], step_metrics["mtp/global_valid_tokens"], frozen, policy.warned
+    )
+    return {f"mtp/{name}": value for name, value in tracked.items()}
+
 
 @contextlib.contextmanager
 def global_moe_load_statistics(model, microbatches: list[Microbatch], megatron_cfg, router_tokens):
@@ -170,12 +224,8 @@ def _routing_pass(model, microbatches: list[Microbatch]) -> None:
         logits = model_forward(model, next(data_iterator))
         return logits, lambda output: (torch.zeros((), device=output.device), {})
 
-    model.eval()
-    try:
-        with torch.no_grad():
-            run_schedule(model, microbatches, forward_step, forward_only=True)
-    finally:
-        model.train()
+    with eval_mode(model), torch.no_grad():
+        run_schedule(model, microbatches, forward_step, forward_only=True)
 
 
 def run_schedule(model, microbatches: list[Microbatch], forward_step_func, forward_only: bool) -> list:
@@ -258,19 +308,16 @@ def count_global_valid_tokens(batch: dict[str, torch.Tensor], device: torch.devi
     return sum_over_data_parallel(local_valid_tokens(batch), device)
 
 
-_warned_about_reweighting = False
-
-
-def warn_if_mtp_depths_are_reweighted(batch: dict[str, torch.Tensor], mtp_num_layers: int) -> None:
-    """Warn once when a valid sample's response starts within its first mtp_num_layers + 1 tokens:
-    megatron then re-weights each microbatch's depth-k loss by N_0 / N_k (module docstring), so
-    deeper depths are not exact global per-token means. Exact again with longer prompts."""
-    global _warned_about_reweighting
+def warn_if_mtp_depths_are_reweighted(batch: dict[str, torch.Tensor], mtp_num_layers: int, warned: set[str]) -> None:
+    """Warn once per policy (``warned``: the warnings it has given) when a valid sample's response
+    starts within its first mtp_num_layers + 1 tokens: megatron then re-weights each microbatch's
+    depth-k loss by N_0 / N_k (module docstring), so deeper depths are not exact global per-token
+    means. Exact again with longer prompts."""
     valid = batch["sample_mask"] > 0
     first_response = batch["token_mask"].float().argmax(dim=1)
     short = int((valid & (first_response < mtp_num_layers + 1) & (batch["token_mask"].sum(dim=1) > 0)).sum())
-    if short and not _warned_about_reweighting:
-        _warned_about_reweighting = True
+    if short and "mtp_depths_reweighted" not in warned:
+        warned.add("mtp_depths_reweighted")
         logger.warning(
             "MTP: %d sample(s) have prompts shorter than mtp_num_layers + 1 = %d tokens; megatron re-weights each "
             "microbatch's deeper MTP losses by N_0/N_k there, so they are not exact per-token means (warned once)",
@@ -454,17 +501,7 @@ def policy_loss(
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
     """log p(target) per position under the sampling temperature, from (vocab-parallel) logits
     ``[b, s, v/tp]``, over the real vocabulary (padding ids excluded, as in sampling)."""
-    return -vocab_parallel_cross_entropy(mask_padding_ids(logits.float(), vocab_size) / temperature, target_ids)
-
-
-def mask_padding_ids(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """-inf on the output-layer ids beyond the tokenizer's vocabulary, on this TP rank's shard."""
-    shard_size = logits.shape[-1]
-    first_id = parallel_state.get_tensor_model_parallel_rank() * shard_size
-    if first_id + shard_size <= vocab_size:
-        return logits
-    ids = torch.arange(first_id, first_id + shard_size, device=logits.device)
-    return logits.masked_fill(ids >= vocab_size, float("-inf"))
+    return -vocab_parallel_cross_entropy(mask_ids_past_vocabulary(logits.float(), vocab_size) / temperature, target_ids)
 
 
 def sum_over_global_batch(microbatch_metrics: list[dict[str, torch.Tensor]], device) -> dict[str, float]:

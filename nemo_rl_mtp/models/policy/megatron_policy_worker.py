@@ -4,7 +4,8 @@ Ray ships this class to its actor processes with cloudpickle. cloudpickle also p
 modules a method's code names, so a method that mentioned ``config`` next to
 ``torch.distributed`` once dragged in ``torch.distributed.config`` (an unpicklable
 ``ConfigModuleInstance``) and no worker could start. Hence: megatron and the training code are
-imported inside the methods that use them, and MTP metrics are collected in a method of their own.
+imported inside the methods that use them (the training step, metrics included, lives in
+``models/megatron/train.py``).
 """
 
 from __future__ import annotations
@@ -133,18 +134,10 @@ class MegatronPolicyWorker:
     def train(self, batch: dict, loss_fn) -> dict[str, float]:
         """One GRPO optimizer step on this rank's share of a global batch (MTP heads as configured
         for RL: ``mtp_loss_type``, ``mtp_frozen_during_rl``); metrics are global."""
-        from nemo_rl_mtp.models.megatron.compat import assert_mtp_trained
-        from nemo_rl_mtp.models.megatron.setup import mtp_enabled
         from nemo_rl_mtp.models.megatron.train import train_global_batch
 
-        metrics, num_microbatches = train_global_batch(self.policy, batch, loss_fn, self.policy_cfg)
-        mtp_metrics = self._collect_mtp_metrics(num_microbatches)
-        if mtp_enabled(self.policy.config):
-            frozen = self.policy_cfg.mtp_frozen_during_rl
-            assert_mtp_trained(self.policy.config, mtp_metrics, metrics["mtp/grad_norm"], metrics["mtp/global_valid_tokens"], frozen)
-        metrics.update(mtp_metrics)
-        self.latest_training_metrics = metrics
-        return metrics
+        self.latest_training_metrics = train_global_batch(self.policy, batch, loss_fn, self.policy_cfg)
+        return self.latest_training_metrics
 
     def save_checkpoint(self, directory: str) -> None:
         """This rank's part of a checkpoint (collective over all workers)."""
@@ -161,16 +154,6 @@ class MegatronPolicyWorker:
         from nemo_rl_mtp.models.megatron.checkpoint import load_policy
 
         load_policy(self.policy, Path(directory))
-
-    def _collect_mtp_metrics(self, num_microbatches: int) -> dict[str, float]:
-        """Per-layer MTP loss and acceptance from the last pipeline stage, as ``mtp/...`` keys."""
-        from megatron.core import parallel_state
-
-        from nemo_rl_mtp.models.megatron.common import broadcast_from_last_pipeline_stage, get_mtp_metrics
-
-        metrics = get_mtp_metrics(num_microbatches) if parallel_state.is_pipeline_last_stage() else None
-        metrics = broadcast_from_last_pipeline_stage(metrics)
-        return {f"mtp/{name}": value for name, value in metrics.items()}
 
     def _host_copy_of_weights(self) -> dict:
         state = self.policy.model.module.state_dict()

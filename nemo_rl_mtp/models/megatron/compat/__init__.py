@@ -112,10 +112,18 @@ def check_mtp_features_supported(megatron_cfg) -> None:
         )
 
 
-def assert_mtp_trained(config, mtp_metrics: dict, mtp_grad_norm: float, global_valid_tokens: float, frozen: bool = False) -> None:
+def assert_mtp_trained(
+    config,
+    mtp_metrics: dict,
+    mtp_grad_norm: float,
+    global_valid_tokens: float,
+    frozen: bool = False,
+    warned: set | None = None,
+) -> None:
     """Fail loudly when MTP is configured but a step computed no MTP loss or no MTP gradient (the
     silent failure of megatron-core 0.17/0.18 in RL mode; no gradient is expected of ``frozen``
-    heads); warn, naming them, about MTP layers that had no target in the step."""
+    heads); warn, naming them, about MTP layers that had no target in the step, once per set of
+    layers among ``warned`` (the warnings a policy has given; None: warn every time)."""
     version = megatron_core_version()
     if not mtp_metrics:
         raise RuntimeError(
@@ -123,7 +131,7 @@ def assert_mtp_trained(config, mtp_metrics: dict, mtp_grad_norm: float, global_v
             f"no MTP loss (empty MTPLossLoggingHelper tracker) on megatron-core {version}. The MTP heads "
             "are not training; check the MTP compat shim log lines at model setup."
         )
-    _warn_about_layers_without_targets(mtp_metrics, global_valid_tokens)
+    _warn_about_layers_without_targets(mtp_metrics, global_valid_tokens, set() if warned is None else warned)
     if not frozen and mtp_grad_norm == 0.0 and global_valid_tokens > 0 and config.mtp_loss_scaling_factor > 0:
         raise RuntimeError(
             f"MTP is configured (mtp_num_layers={config.mtp_num_layers}) but its parameters got no gradient "
@@ -139,14 +147,11 @@ def layers_without_targets(mtp_metrics: dict) -> list[int]:
     ]
 
 
-# Sets of silent layers already reported by this process: a warning per new set, not per step.
-_reported_silent_layers: set[tuple[int, ...]] = set()
-
-
-def _warn_about_layers_without_targets(mtp_metrics: dict, global_valid_tokens: float) -> None:
+def _warn_about_layers_without_targets(mtp_metrics: dict, global_valid_tokens: float, warned: set) -> None:
+    """A warning per new set of silent layers, not per step."""
     silent = tuple(layers_without_targets(mtp_metrics))
-    if silent and global_valid_tokens > 0 and silent not in _reported_silent_layers:
-        _reported_silent_layers.add(silent)
+    if silent and global_valid_tokens > 0 and ("mtp_layers_without_targets", silent) not in warned:
+        warned.add(("mtp_layers_without_targets", silent))
         logger.warning(
             "MTP layers %s got no targets in this step (every response ends before their depth): they train "
             "nothing, and their loss 0 and acceptance 0%% mean nothing",

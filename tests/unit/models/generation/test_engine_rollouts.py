@@ -14,7 +14,6 @@ from nemo_rl_mtp.models.generation import engine_compat
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics
 from nemo_rl_mtp.models.megatron.inference import compute_logprobs
-from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from tests.helpers import VOCAB_SIZE, make_policy, recompute_sampler, response_mask, tiny_config
 from tests.unit.models.generation.engine_cases import PROMPTS, SIZES, TOKENIZER, drafts_where_possible, engine_overrides, requires_speculation
@@ -85,7 +84,7 @@ def test_next_rollout_uses_the_trained_weights_and_training_still_computes_the_m
     assert not _inference_flag_active() and policy.model.training
     demonstrations = task_demonstrations("reverse", [[1, 2], [3, 4, 5], [6], [7, 8, 9, 0]] * 2, TOKENIZER)
     metrics = imitation_step(policy, demonstrations, cfg)
-    assert metrics["mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
+    assert metrics["mtp/mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
     after = _generate(engine)
     reference = recompute_sampler(policy, PROMPTS, cfg.generation.max_new_tokens, TOKENIZER.eos_id)
     assert [row[:length].tolist() for row, length in zip(after["tokens"], after["lengths"])] == reference
@@ -257,8 +256,7 @@ def test_trainer_forecast_of_acceptance_matches_the_rollouts_rejection_sampling(
     mask, batch = _training_batch(rollouts)
     batch["advantages"] = mask.float()
     batch["prev_logprobs"] = compute_logprobs(trained_policy, batch, cfg)
-    metrics, num_microbatches = forward_backward_global_batch(trained_policy, batch, IMITATION_LOSS, cfg)
-    get_mtp_metrics(num_microbatches)  # empties megatron's tracker for the tests that follow
+    metrics = forward_backward_global_batch(trained_policy, batch, IMITATION_LOSS, cfg)
     forecast = metrics["mtp/mtp_1_expected_acceptance"]
     standard_error = 100.0 * math.sqrt(measured / 100 * (1 - measured / 100) / drafts)
     print(f"T={temperature}: measured {measured:.1f}% of {drafts} drafts, forecast {forecast:.1f}%, 4 SE = {4 * standard_error:.1f}")

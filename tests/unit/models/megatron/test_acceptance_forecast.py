@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from tests.helpers import eval_forward_logits, make_batch, make_policy
 from tests.unit.models.megatron.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES, run_step
@@ -46,11 +45,10 @@ def test_forecast_is_the_mean_overlap_of_policy_and_head_over_the_mtp_targets(mt
         generation__temperature=temperature,
     )
     expected = reference_forecast(policy, batch, temperature)
-    MTPLossLoggingHelper.tracker.clear()  # whatever an earlier test left in megatron's tracker
     metrics, _ = run_step(policy, cfg, batch, PG_LOSS)
     response_tokens = sum(length for length, valid in zip(RAGGED_RESPONSES, batch["sample_mask"]) if valid)
     for depth, (forecast, targets) in enumerate(expected, start=1):
         assert metrics[f"mtp/mtp_{depth}_expected_acceptance"] == pytest.approx(forecast, abs=1e-4)
         # megatron's MTP loss also trains the first `depth` response tokens, which no draft targets.
-        assert metrics[f"mtp_{depth}_target_tokens"] == response_tokens > targets
+        assert metrics[f"mtp/mtp_{depth}_target_tokens"] == response_tokens > targets
     assert 0 < expected[0][0] < 100

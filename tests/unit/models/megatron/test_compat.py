@@ -18,7 +18,7 @@ from nemo_rl_mtp.models.megatron.compat import recompute
 from nemo_rl_mtp.models.megatron.compat._marks import is_shim
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorker
-from tests.helpers import make_batch, make_policy
+from tests.helpers import make_batch, make_policy, mtp_parameter_names
 from tests.unit.models.megatron.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
@@ -242,11 +242,41 @@ def test_without_the_rl_labels_shim_mtp_silently_does_not_train(monkeypatch):
         with pytest.raises(AttributeError, match="clone"):
             forward_backward_global_batch(policy, make_batch(RAGGED_RESPONSES), PG_LOSS, cfg)
         return
-    metrics, _ = forward_backward_global_batch(policy, make_batch(RAGGED_RESPONSES), PG_LOSS, cfg)
-    assert metrics["mtp/grad_norm"] == 0.0
-    assert "loss_values" not in MTPLossLoggingHelper.tracker
+    # The training step's guard: the step raises, naming the release, and no MTP gradient arose.
     with pytest.raises(RuntimeError, match=f"no MTP loss .* on megatron-core {compat.megatron_core_version()}"):
-        compat.assert_mtp_trained(policy.config, {}, metrics["mtp/grad_norm"], metrics["global_valid_tokens"])
+        forward_backward_global_batch(policy, make_batch(RAGGED_RESPONSES), PG_LOSS, cfg)
+    assert all(policy.model.module.get_parameter(name).main_grad.abs().max() == 0 for name in mtp_parameter_names(policy))
+
+
+@pytest.mark.skipif(not UPSTREAM_DERIVES_RL_LABELS, reason="no native process_mtp_loss with RL labels to compare with (megatron-core < 0.19)")
+@pytest.mark.parametrize("loss_type, packed", [("cross_entropy", False), ("total_variation", True)])
+def test_rl_labels_backport_equals_native_process_mtp_loss(monkeypatch, loss_type, packed):
+    """The back-port that 0.16-0.18 run in place of ``process_mtp_loss``, run on this release in
+    place of its own: the same step (MTP loss, acceptance, forecast, every gradient) bit for bit on
+    the same weights and batch, RL labels derived from input_ids in both."""
+    from nemo_rl_mtp.models.megatron.compat import rl_labels
+    from tests.helpers import gradients
+
+    batch = make_batch(RAGGED_RESPONSES, sample_mask=[1, 1, 0, 1, 1, 1, 1, 1])
+    steps, backport_calls = [], []
+
+    def backport(*args, **kwargs):
+        backport_calls.append(kwargs.get("input_ids") is not None)
+        return rl_labels.process_mtp_loss_backport(*args, **kwargs)
+
+    keys = {"megatron_cfg__mtp_loss_type": loss_type, "sequence_packing__enabled": packed}
+    for use_backport in (False, True):
+        if use_backport:
+            monkeypatch.setattr(gpt_model, "process_mtp_loss", backport)
+        policy, cfg = make_policy(megatron_cfg__mtp_num_layers=2, train_micro_batch_size=2, train_global_batch_size=8, **keys)
+        steps.append((forward_backward_global_batch(policy, batch, PG_LOSS, cfg), gradients(policy)))
+    (native_metrics, native_grads), (backport_metrics, backport_grads) = steps
+    assert backport_calls and all(backport_calls)  # the back-port ran, on labels it derived
+    assert backport_metrics == native_metrics
+    assert backport_grads.keys() == native_grads.keys()
+    for name, grad in native_grads.items():
+        assert torch.equal(backport_grads[name], grad), name
+    assert any(native_grads[name].abs().max() > 0 for name in mtp_parameter_names(policy))
 
 
 def test_guard_fails_loudly_naming_the_release():
@@ -290,10 +320,9 @@ def test_mtp_backward_is_seeded_with_one_over_global_tokens():
     through the grad_scale shim before): the seed left after a step is 1 / G."""
     policy, cfg = make_policy(megatron_cfg__mtp_num_layers=1, train_micro_batch_size=2, train_global_batch_size=8)
     batch = make_batch(RAGGED_RESPONSES)
-    metrics, _ = forward_backward_global_batch(policy, batch, PG_LOSS, cfg)
+    metrics = forward_backward_global_batch(policy, batch, PG_LOSS, cfg)
     seed = float(mtp_module.MTPLossAutoScaler.main_loss_backward_scale)
     assert seed == pytest.approx(1.0 / metrics["global_valid_tokens"], rel=1e-6)
-    MTPLossLoggingHelper.tracker.clear()
 
 
 def test_mtp_loss_substitute_applies_only_inside_its_block():
@@ -323,8 +352,10 @@ def test_mtp_loss_substitute_applies_only_inside_its_block():
 
 def test_distribution_losses_are_refused_in_one_line_where_the_loss_is_unreachable(monkeypatch):
     """A release whose process_mtp_loss took no loss callable could not run them: refused before
-    any worker starts, naming the key and the release (cross_entropy still runs)."""
+    any worker starts (when the config is loaded), naming the key and the release (cross_entropy
+    still runs)."""
     from nemo_rl_mtp.models.megatron.compat import mtp_loss_callable
+    from nemo_rl_mtp.utils.config import ConfigError
     from tests.helpers import tiny_config
 
     def process_mtp_loss(hidden_states, labels, loss_mask, output_layer, config):
@@ -332,6 +363,6 @@ def test_distribution_losses_are_refused_in_one_line_where_the_loss_is_unreachab
 
     monkeypatch.setattr(mtp_module, "process_mtp_loss", process_mtp_loss, raising=False)
     assert mtp_loss_callable.unsupported_reason() is not None
-    with pytest.raises(ValueError, match=r"mtp_loss_type=total_variation is not supported by the installed megatron-core .*: process_mtp_loss takes no compute_language_model_loss"):
-        compat.check_mtp_features_supported(tiny_config(megatron_cfg__mtp_loss_type="total_variation").policy.megatron_cfg)
-    compat.check_mtp_features_supported(tiny_config(megatron_cfg__mtp_loss_type="cross_entropy").policy.megatron_cfg)
+    with pytest.raises(ConfigError, match=r"mtp_loss_type=total_variation is not supported by the installed megatron-core .*: process_mtp_loss takes no compute_language_model_loss"):
+        tiny_config(megatron_cfg__mtp_loss_type="total_variation")
+    tiny_config(megatron_cfg__mtp_loss_type="cross_entropy")

@@ -29,7 +29,7 @@ def test_install_is_idempotent():
 
 @cpu_only
 def test_install_logs_what_it_adapted(caplog, monkeypatch):
-    monkeypatch.setattr(cpu_runtime, "_INSTALLED", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # as before install(); restored after
     with caplog.at_level(logging.INFO, logger=cpu_runtime.__name__):
         cpu_runtime.install()
     assert "megatron-core adapted to CPU" in caplog.text
@@ -60,14 +60,13 @@ def test_nothing_is_patched_when_cuda_is_available(caplog, monkeypatch):
         stand_ins[(owner, attribute)] = upstream
         monkeypatch.setattr(owner, attribute, upstream)  # monkeypatch restores the real ones
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cpu_runtime, "_INSTALLED", False)
     threads = torch.get_num_threads()
     with caplog.at_level(logging.INFO, logger=cpu_runtime.__name__):
         assert cpu_runtime.install() is False
         assert cpu_runtime.install() is False
     for (owner, attribute), upstream in stand_ins.items():
         assert getattr(owner, attribute) is upstream, f"{attribute} was replaced although CUDA is available"
-    assert cpu_runtime._INSTALLED is False
+    assert not cpu_runtime.is_installed()
     assert torch.get_num_threads() == threads
     assert caplog.text.count("CUDA is available, megatron-core runs unmodified") == 2
     assert "adapted to CPU" not in caplog.text

@@ -9,7 +9,6 @@ import torch
 import torch.multiprocessing as mp
 
 from nemo_rl_mtp.algorithms.loss_functions import loss_sample_weights
-from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from tests.helpers import free_port, gradients, make_batch, make_policy
 from tests.unit.models.megatron.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
@@ -19,9 +18,7 @@ SAMPLE_MASK = [1, 1, 1, 0, 1, 1, 1, 1]
 
 
 def _step(policy, cfg, batch):
-    metrics, num_microbatches = forward_backward_global_batch(policy, batch, PG_LOSS, cfg)
-    metrics.update(get_mtp_metrics(num_microbatches))
-    return metrics, gradients(policy)
+    return forward_backward_global_batch(policy, batch, PG_LOSS, cfg), gradients(policy)
 
 
 def _batch(token_level_loss: bool) -> dict[str, torch.Tensor]:

@@ -50,7 +50,7 @@ def test_moe_trunk_and_moe_mtp_layer_train():
     assert any(name.startswith("decoder.") and ".mlp.experts." in name for name in names)
     assert any(name.startswith("mtp.") and ".mlp.experts." in name for name in names)  # MoE MTP layer
     metrics, grads = run_step(policy, cfg, make_batch(BALANCED_RESPONSES), PG_LOSS)
-    assert metrics["mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
+    assert metrics["mtp/mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
     assert metrics["moe/load_balancing_loss"] > 0
     assert all(grad.abs().sum() > 0 for grad in _router_gradients(grads).values())
 
@@ -175,7 +175,7 @@ def _forward_with_padding_mask_renamed(self, input, pad_mask=None):
     raise AssertionError("never called: the configuration check runs before any forward")
 
 
-@pytest.mark.parametrize("renamed", ["_apply_aux_loss", "padding_mask"])
+@pytest.mark.parametrize("renamed", ["_apply_global_aux_loss", "padding_mask"])
 def test_a_renamed_router_name_is_refused_naming_it(monkeypatch, renamed):
     """Upstream renaming the aux-loss hook would leave megatron's per-microbatch statistic in place;
     renaming the padding mask would count padding: both silently. The real TopKRouter, renamed."""
@@ -208,3 +208,15 @@ def test_the_routed_token_counts_find_the_padding_mask_by_name():
         counted[name] = counts[router]
     assert torch.equal(counted["positional"], counted["keyword"])
     assert counted["keyword"].sum() == 2 * 4 * router.topk and counted["none"].sum() == 2 * 6 * router.topk
+
+
+@pytest.mark.parametrize("chosen, megatron_name", [("global_batch_aux_loss", "global_aux_loss"), ("aux_loss", "aux_loss"), ("seq_aux_loss", "seq_aux_loss")])
+def test_transformer_config_names_the_chosen_load_balancing(chosen, megatron_name):
+    """The TransformerConfig (what a saved model's config says) names the load balancing the user
+    chose: megatron's own name for it, global-batch level for ``global_batch_aux_loss``, not the
+    per-microbatch ``aux_loss``."""
+    from nemo_rl_mtp.models.megatron.setup import build_transformer_config
+    from tests.helpers import tiny_config
+
+    megatron_cfg = tiny_config(**MOE, megatron_cfg__moe_router_load_balancing_type=chosen).policy.megatron_cfg
+    assert build_transformer_config(megatron_cfg).moe_router_load_balancing_type == megatron_name

@@ -124,8 +124,8 @@ def test_logged_loss_is_the_per_token_mean_of_the_loss(loss_type):
         expected = float(reference_loss(policy, batch, loss_type, 1.0, 1.0))
         MTPLossLoggingHelper.tracker.clear()
     metrics, _ = run_step(policy, cfg, batch)
-    assert metrics["mtp_1_loss"] == pytest.approx(expected, rel=1e-5)
-    assert 0 < metrics["mtp_1_acceptance_rate"] <= 100  # megatron's own top-1 count still runs
+    assert metrics["mtp/mtp_1_loss"] == pytest.approx(expected, rel=1e-5)
+    assert 0 < metrics["mtp/mtp_1_acceptance_rate"] <= 100  # megatron's own top-1 count still runs
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

@@ -11,7 +11,6 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 
 from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl_mtp.models.megatron import cpu_runtime
-from nemo_rl_mtp.models.megatron.common import get_mtp_metrics
 from nemo_rl_mtp.models.megatron.data import causal_attention_mask, local_valid_tokens
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from tests.helpers import gradients, make_batch, make_policy, mtp_parameter_names
@@ -31,9 +30,7 @@ def zero_policy_loss(logprobs, inputs, global_valid_tokens):
 
 
 def run_step(policy, policy_cfg, batch, loss_fn=PG_LOSS):
-    metrics, num_microbatches = forward_backward_global_batch(policy, batch, loss_fn, policy_cfg)
-    metrics.update(get_mtp_metrics(num_microbatches))
-    return metrics, gradients(policy)
+    return forward_backward_global_batch(policy, batch, loss_fn, policy_cfg), gradients(policy)
 
 
 def assert_same_gradients(first: dict, second: dict, rtol=1e-4, atol=1e-7):
@@ -53,8 +50,8 @@ def test_mtp_parameters_receive_gradient(mtp_num_layers):
         assert layer_names and all(grads[name].abs().sum() > 0 for name in layer_names)
     assert metrics["mtp/grad_norm"] > 0
     for layer in range(1, mtp_num_layers + 1):
-        assert math.isfinite(metrics[f"mtp_{layer}_loss"]) and metrics[f"mtp_{layer}_loss"] > 0
-        assert 0 <= metrics[f"mtp_{layer}_acceptance_rate"] <= 100
+        assert math.isfinite(metrics[f"mtp/mtp_{layer}_loss"]) and metrics[f"mtp/mtp_{layer}_loss"] > 0
+        assert 0 <= metrics[f"mtp/mtp_{layer}_acceptance_rate"] <= 100
 
 
 def test_mtp_off_builds_no_mtp_and_computes_no_mask():
@@ -152,15 +149,16 @@ def test_mtp_gradient_equals_independent_reference(mtp_num_layers, tied_embeddin
 
 def test_short_prompts_warn_that_deeper_mtp_losses_are_reweighted(caplog):
     """Prompts of 2 tokens with 2 MTP layers: megatron's N_0/N_k re-weighting applies, and says so."""
-    from nemo_rl_mtp.models.megatron import train
-
-    train._warned_about_reweighting = False
     policy, cfg = make_policy(megatron_cfg__mtp_num_layers=2, train_micro_batch_size=4, train_global_batch_size=8)
     with caplog.at_level("WARNING"):
         run_step(policy, cfg, make_batch(RAGGED_RESPONSES, prompt_length=5))
         assert "re-weights" not in caplog.text
         run_step(policy, cfg, make_batch(RAGGED_RESPONSES, prompt_length=2))
     assert "8 sample(s) have prompts shorter than mtp_num_layers + 1 = 3 tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        run_step(policy, cfg, make_batch(RAGGED_RESPONSES, prompt_length=2))
+    assert "re-weights" not in caplog.text  # once per policy
 
 
 @pytest.mark.parametrize("mtp_num_layers", [1, 2])
@@ -188,7 +186,7 @@ def test_microbatch_split_of_ragged_batch_keeps_gradients_and_acceptance():
     (metrics_one, grads_one), (metrics_four, grads_four) = results
     assert_same_gradients(grads_one, grads_four)
     for layer in (1, 2):
-        key = f"mtp_{layer}_acceptance_rate"
+        key = f"mtp/mtp_{layer}_acceptance_rate"
         assert metrics_one[key] == pytest.approx(metrics_four[key], rel=1e-6)
 
 
@@ -210,7 +208,7 @@ def test_tokens_outside_the_mask_change_nothing():
     scrambled_metrics, scrambled_grads = run_step(policy, cfg, scrambled)
     assert_same_gradients(grads, scrambled_grads, rtol=1e-5)
     for layer in (1, 2):
-        for name in (f"mtp_{layer}_loss", f"mtp_{layer}_acceptance_rate"):
+        for name in (f"mtp/mtp_{layer}_loss", f"mtp/mtp_{layer}_acceptance_rate"):
             assert scrambled_metrics[name] == pytest.approx(metrics[name], rel=1e-5)
 
 
@@ -235,7 +233,7 @@ def test_all_masked_batch_gives_finite_metrics_and_zero_mtp_gradient():
     batch = make_batch(RAGGED_RESPONSES, sample_mask=[0.0] * 8)
     metrics, grads = run_step(policy, cfg, batch)
     assert all(math.isfinite(value) for value in metrics.values()), metrics
-    assert metrics["mtp_1_acceptance_rate"] == 0.0 and metrics["mtp_2_acceptance_rate"] == 0.0
+    assert metrics["mtp/mtp_1_acceptance_rate"] == 0.0 and metrics["mtp/mtp_2_acceptance_rate"] == 0.0
     assert all(torch.isfinite(grad).all() for grad in grads.values())
     assert all(grads[name].abs().max() == 0 for name in mtp_parameter_names(policy))
 
@@ -267,7 +265,9 @@ def test_packed_and_unpacked_steps_agree(recompute, loss_type):
     assert_same_gradients(unpacked_grads, packed_grads, rtol=1e-3, atol=1e-6)
 
 
-def test_grad_scale_func_is_cleared_after_the_step_even_on_error():
+def test_grad_scale_func_and_mtp_tracker_are_cleared_after_the_step_even_on_error():
+    """A step that raises leaves neither the MTP seed in the config nor its partial losses in
+    megatron's class-level tracker (they would be added into the next step's metrics)."""
     policy, cfg = make_policy(megatron_cfg__mtp_num_layers=1, train_micro_batch_size=2, train_global_batch_size=8)
 
     def failing_loss(logprobs, inputs, global_valid_tokens):
@@ -277,4 +277,4 @@ def test_grad_scale_func_is_cleared_after_the_step_even_on_error():
     with pytest.raises(RuntimeError, match="loss failed"):
         forward_backward_global_batch(policy, make_batch(RAGGED_RESPONSES), failing_loss, cfg)
     assert getattr(policy.config, "mtp_grad_scale_func", None) is None
-    MTPLossLoggingHelper.tracker.clear()
+    assert MTPLossLoggingHelper.tracker == {}

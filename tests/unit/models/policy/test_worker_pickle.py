@@ -18,7 +18,7 @@ def test_worker_class_pickles_by_value():
         cloudpickle.unregister_pickle_by_value(megatron_policy_worker)
     restored = cloudpickle.loads(payload)
     assert restored.__name__ == "MegatronPolicyWorker"
-    assert {"train", "_collect_mtp_metrics"} <= set(vars(restored))
+    assert {"train", "imitate"} <= set(vars(restored))
 
 
 def test_the_check_catches_the_known_failure(tmp_path, monkeypatch):

@@ -1,0 +1,27 @@
+"""The output layer's padding ids: megatron pads the vocabulary (to a multiple of the tensor-parallel
+size and ``make_vocab_size_divisible_by``), so logits have a few columns past the tokenizer's
+vocabulary. Training, sampling and the MTP losses leave them out; this is the one place that says
+which columns they are."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+
+
+def first_padding_column(width: int, vocab_size: int, padded_vocab_size: int | None = None) -> int | None:
+    """Column of logits ``[..., width]`` where the ids >= ``vocab_size`` start; None: none there.
+    The logits are this tensor-parallel rank's shard, or the whole (gathered) vocabulary when
+    ``width == padded_vocab_size``."""
+    first_id = 0 if width == padded_vocab_size else parallel_state.get_tensor_model_parallel_rank() * width
+    return None if first_id + width <= vocab_size else max(vocab_size - first_id, 0)
+
+
+def mask_ids_past_vocabulary(logits: torch.Tensor, vocab_size: int, padded_vocab_size: int | None = None) -> torch.Tensor:
+    """-inf on the ids >= ``vocab_size`` of logits ``[..., width]`` (a shard or the whole
+    vocabulary, see ``first_padding_column``); the logits themselves where there are none."""
+    column = first_padding_column(logits.shape[-1], vocab_size, padded_vocab_size)
+    if column is None:
+        return logits
+    ids = torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill(ids >= column, float("-inf"))
