@@ -20,6 +20,8 @@ import itertools
 
 import torch
 
+from nemo_rl_mtp.models.generation import engine_compat
+
 
 class DraftRoundsController:
     """Mixin for megatron's ``TextGenerationController`` (or a subclass), placed first among the
@@ -28,32 +30,37 @@ class DraftRoundsController:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.drafter = self.make_drafter() if getattr(self._unwrapped_model, "mtp", None) is not None else None
+        model = engine_compat.unwrapped_model(self)
+        self.drafter = self.make_drafter() if getattr(model, "mtp", None) is not None else None
 
     def make_drafter(self):
         raise NotImplementedError
 
     def _compute_serial_mtp_and_sample(self, *args, **kwargs) -> None:
         context = self.inference_wrapped_model.inference_context
-        if self.drafter is None or not (self._is_last_pp_stage and context.mtp_decoder_hidden_states is not None):
+        hidden = engine_compat.step_decoder_hidden(self) if self.drafter is not None else None
+        if hidden is None or not engine_compat.is_last_pipeline_stage(self):
             return super()._compute_serial_mtp_and_sample(*args, **kwargs)
-        self.drafter.start_round(context, self._last_accepted_seq_indices, self._step_decoder_hidden(context))
-        with serving_draft_steps(self._unwrapped_model, self.drafter):
+        self.drafter.start_round(context, self._last_accepted_seq_indices, self._gathered(hidden))
+        with serving_draft_steps(engine_compat.unwrapped_model(self), self.drafter):
             super()._compute_serial_mtp_and_sample(*args, **kwargs)
 
-    def _step_decoder_hidden(self, context) -> torch.Tensor:
+    def _gathered(self, hidden: torch.Tensor) -> torch.Tensor:
         """The step's decoder output [T, 1, H], gathered where sequence parallelism scatters it."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-        hidden = context.mtp_decoder_hidden_states
-        return gather_from_sequence_parallel_region(hidden, group=self.inference_wrapped_model.tp_group) if self._sp_enabled else hidden
+        if not engine_compat.sequence_parallel_across_ranks(self):
+            return hidden
+        return gather_from_sequence_parallel_region(hidden, group=self.inference_wrapped_model.tp_group)
 
 
 def with_drafter(controller_class: type, drafter_class: type, mixin: type = DraftRoundsController) -> type:
     """``controller_class`` whose draft rounds ``drafter_class(model, context, num_depths)`` serves."""
 
     def make_drafter(self):
-        return drafter_class(self._unwrapped_model, self.inference_wrapped_model.inference_context, self.num_mtp_depths)
+        model = engine_compat.unwrapped_model(self)
+        depths = engine_compat.draft_depths(model, self.num_speculative_tokens)
+        return drafter_class(model, self.inference_wrapped_model.inference_context, depths)
 
     name = f"{drafter_class.__name__}{controller_class.__name__}"
     return type(name, (mixin, controller_class), {"make_drafter": make_drafter})

@@ -37,14 +37,16 @@ logger = logging.getLogger(__name__)
 class AcceptanceCounts:
     """Mixin for megatron's ``TextGenerationController``: drafts proposed and accepted per
     position ``[k]`` since :meth:`reset_acceptance_counts`, counted once per step on the device
-    of the accepted counts (read on the host only with :meth:`acceptance_counts`)."""
+    of the accepted drafts (read on the host only with :meth:`acceptance_counts`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.reset_acceptance_counts()
 
     def reset_acceptance_counts(self) -> None:
-        device = self._accepted_token_counts_per_request.device
+        # megatron's accepted drafts (checked after the build: engine_compat.check_engine_names)
+        accepted = getattr(self, "_accepted_tokens_per_request", None)
+        device = accepted.device if accepted is not None else torch.device("cpu")
         self.drafts_proposed = torch.zeros(self.num_speculative_tokens, dtype=torch.int64, device=device)
         self.drafts_accepted = torch.zeros(self.num_speculative_tokens, dtype=torch.int64, device=device)
 
@@ -53,14 +55,15 @@ class AcceptanceCounts:
         return self.drafts_proposed.cpu(), self.drafts_accepted.cpu()
 
     def _dynamic_step_sample_logits_and_verify_tokens(self, *args, **kwargs) -> None:
+        """After megatron's verification: its accepted drafts ``[>= decode requests, k]`` are each
+        decode request's accepted prefix, -1 after it, so draft i is accepted where column i is
+        not -1."""
         super()._dynamic_step_sample_logits_and_verify_tokens(*args, **kwargs)
         num_decode = self.inference_wrapped_model.inference_context.num_decode_requests
         if num_decode == 0:
             return
-        accepted = self._accepted_token_counts_per_request[:num_decode]
-        positions = torch.arange(self.num_speculative_tokens, device=accepted.device)
         self.drafts_proposed += num_decode
-        self.drafts_accepted += (accepted[:, None] > positions[None, :]).sum(dim=0)
+        self.drafts_accepted += (self._accepted_tokens_per_request[:num_decode] != -1).sum(dim=0)
 
 
 class _TokenRows:
@@ -86,7 +89,24 @@ def merged_tokens(accepted_tokens: torch.Tensor, sample: torch.Tensor) -> list[l
     return [row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())]
 
 
-class SpeculativeBookkeepingEngine(DynamicInferenceEngine):
+class RequestSamplingNotes(DynamicInferenceEngine):
+    """megatron's engine that tells its controller each request's sampling parameters as it is
+    added (a controller with ``note_request_sampling``): on releases whose sampling backend has no
+    ``log_probs_kernel``, rejection sampling writes the distribution out from them, without reading
+    megatron's per-request metadata back from the device every step."""
+
+    def add_request(self, request_id, prompt, sampling_params=None, *args, **kwargs):
+        if sampling_params is not None and hasattr(self.controller, "note_request_sampling"):
+            self.controller.note_request_sampling(sampling_params)
+        return super().add_request(request_id, prompt, sampling_params, *args, **kwargs)
+
+    def reset(self) -> None:
+        super().reset()
+        if hasattr(self.controller, "note_request_sampling"):
+            self.controller.request_sampling = None
+
+
+class SpeculativeBookkeepingEngine(RequestSamplingNotes):
     """megatron's engine whose per-request walk after a speculative step merges and counts
     nothing itself (module docstring); the controller must count (:class:`AcceptanceCounts`)."""
 
@@ -117,13 +137,15 @@ def vectorised_rewind_probe() -> tuple[bool, str]:
     """Whether the controller still rewinds with megatron's per-request loop, which the vectorised
     rewind reproduces (same parameters; same results on a random batch). Upstream changing the
     function, its signature or its results switches the patch off."""
-    from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch, text_generation_controller
+    from megatron.core.inference.text_generation_controllers import text_generation_controller
 
     current = getattr(text_generation_controller, "rewind_kv_cache", None)
     if current is speculative_kernels.rewind_kv_cache:
         return True, "installed earlier in this process"
     if current is None:
-        return False, "megatron's controller no longer calls rewind_kv_cache: nothing to vectorise"
+        return False, "megatron's controller calls no rewind_kv_cache (it rewinds in its own method): nothing to vectorise"
+    from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch
+
     if current is not getattr(mtp_utils_pytorch, "rewind_kv_cache", None):
         return False, "the controller rewinds with something other than mtp_utils_pytorch's loop (upstream changed it)"
     ours, theirs = inspect.signature(speculative_kernels.rewind_kv_cache), inspect.signature(current)

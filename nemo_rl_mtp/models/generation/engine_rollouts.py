@@ -6,8 +6,10 @@ cache and, with ``num_speculative_tokens > 0``, speculates with the model's own 
 (see :mod:`speculation`).
 
 What the engine needs from us around each rollout:
-- eval mode, no autograd, megatron's ``InferenceMode`` flag set, and the model handed back in
-  train mode with the flag cleared (a training forward with the flag set skips the MTP loss);
+- eval mode, no autograd and megatron's ``InferenceMode`` flag set (0.18 on; on 0.16 and 0.17 the
+  model tells an engine's forward by eval mode alone), and afterwards the flag and the model's
+  train/eval mode as they were: cleared and training outside a rollout (a training forward with
+  the flag set skips the MTP loss);
 - the policy's sampling distribution on the output layer: logits / temperature with the padding
   ids masked (:func:`policy_sampling_distribution`). The engine then samples at temperature 1
   and its raw log-probs are the log-probs under the sampling temperature, as training computes
@@ -23,9 +25,17 @@ import logging
 
 import torch
 
-from nemo_rl_mtp.models.generation import adaptive_speculation, engine_bookkeeping, engine_compat, incremental_drafts, sequence_drafts
+from nemo_rl_mtp.models.generation import (
+    adaptive_speculation,
+    engine_bookkeeping,
+    engine_compat,
+    engine_release,
+    incremental_drafts,
+    sequence_drafts,
+)
 from nemo_rl_mtp.models.generation.speculation import speculation_counts
 from nemo_rl_mtp.models.megatron import cpu_inference_runtime, cpu_runtime, hybrid
+from nemo_rl_mtp.models.megatron.module_modes import eval_mode
 from nemo_rl_mtp.models.megatron.setup import MegatronPolicyModel
 from nemo_rl_mtp.models.megatron.vocabulary import mask_ids_past_vocabulary
 from nemo_rl_mtp.utils.config_schema import GenerationConfig, PolicyConfig
@@ -45,9 +55,9 @@ class RolloutEngine:
         self.generation_cfg = policy_cfg.generation
         requested = self.generation_cfg.num_speculative_tokens
         self.adaptive = None
-        if requested == adaptive_speculation.AUTO:
+        if requested == adaptive_speculation.AUTO and not engine_release.auto_without_speculation(self.generation_cfg):
             self.adaptive = adaptive_speculation.AdaptiveSpeculation(adaptive_speculation.auto_limit(policy_cfg.megatron_cfg))
-        self.num_speculative_tokens = 0 if self.adaptive is not None else requested
+        self.num_speculative_tokens = 0 if requested == adaptive_speculation.AUTO else requested
         self.engine = build_engine(policy.model.module, policy_cfg, self.num_speculative_tokens)
 
     def use_speculative_tokens(self, k: int) -> None:
@@ -127,46 +137,59 @@ class RolloutEngine:
 
 def build_engine(model, policy_cfg: PolicyConfig, num_speculative_tokens: int):
     """Context (paged KV cache), wrapper, controller and engine around ``model`` with
-    ``num_speculative_tokens`` drafts per step, as megatron's own ``MegatronLLM`` assembles them.
-    The engine constructor sets the process-wide ``InferenceMode`` flag; it is put back as it was
-    (cleared, outside a rollout) so training forwards stay training forwards."""
-    from megatron.core.inference.config import InferenceConfig
-    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    from megatron.core.inference.utils import InferenceMode
-
-    was_active = InferenceMode.is_active()
-    cpu_inference_runtime.install()
-    engine_bookkeeping.install_vectorised_rewind()
-    sizing = policy_cfg.generation.engine
-    controller = controller_class(model, policy_cfg.generation, num_speculative_tokens)
-    mtp_share = mtp_cache_share(model, controller, num_speculative_tokens)
-    inference_config = InferenceConfig(
-        block_size_tokens=sizing.block_size_tokens,
-        buffer_size_gb=sizing.buffer_size_gb * (1.0 - mtp_share),
-        max_requests=sizing.max_requests,
-        max_tokens=sizing.max_tokens,
-        max_sequence_length=policy_cfg.max_total_sequence_length,
-        num_speculative_tokens=num_speculative_tokens,
-        **hybrid.mamba_inference_state(model),  # Mamba layers' states (model_class=hybrid, GPU)
-    )
-    with cpu_runtime.device_scope():
-        context = DynamicInferenceContext(model.config, inference_config)
-        controller = controller(GPTInferenceWrapper(model, context), tokenizer=TokenIdsAsText())
-        engine = engine_bookkeeping.SpeculativeBookkeepingEngine(controller=controller, context=context)
-    if not was_active:
-        InferenceMode.unset_active()
-    if num_speculative_tokens:
-        engine_compat.check_engine_names(engine)
+    ``num_speculative_tokens`` drafts per step, as megatron's own ``MegatronLLM`` assembles them
+    (the installed release's way: :mod:`engine_release`). Building sets megatron's process-wide
+    ``InferenceMode`` flag and may switch the model to eval mode; both are put back as they were
+    (:func:`modes_restored`), so training forwards stay training forwards."""
+    unsupported = engine_release.unsupported_speculation(num_speculative_tokens, policy_cfg.megatron_cfg) if num_speculative_tokens else None
+    if unsupported is not None:
+        raise ValueError(unsupported)
+    engine_compat.check_class_names(model, policy_cfg.generation, num_speculative_tokens)
+    with modes_restored(model):
+        cpu_inference_runtime.install()
+        if num_speculative_tokens:
+            engine_bookkeeping.install_vectorised_rewind()
+        sizing = policy_cfg.generation.engine
+        controller = controller_class(model, policy_cfg.generation, num_speculative_tokens)
+        mtp_share = mtp_cache_share(model, controller, num_speculative_tokens)
+        engine_class = engine_bookkeeping.SpeculativeBookkeepingEngine if num_speculative_tokens else megatron_engine_class()
+        with cpu_runtime.device_scope():
+            engine = engine_release.assemble(
+                model, controller, engine_class, sizing, policy_cfg.max_total_sequence_length, num_speculative_tokens,
+                sizing.buffer_size_gb * (1.0 - mtp_share), hybrid.mamba_inference_state(model),
+            )
+    engine_compat.check_engine_names(engine, policy_cfg.generation)
     log_kv_memory(engine)
     return engine
+
+
+def megatron_engine_class() -> type:
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+
+    return DynamicInferenceEngine
+
+
+@contextlib.contextmanager
+def modes_restored(model):
+    """Eval mode for the duration; afterwards, whatever happens inside, megatron's ``InferenceMode``
+    flag (where the release has one) and every submodule's train/eval mode are what they were
+    before (``module_modes.eval_mode``), not what a rollout or an engine build left, nor a mode
+    forced on the whole model."""
+    flag = engine_compat.inference_mode_flag()
+    was_active = flag.is_active() if flag is not None else None
+    try:
+        with eval_mode(model):
+            yield
+    finally:
+        if flag is not None:
+            flag.set_active() if was_active else flag.unset_active()
 
 
 def mtp_cache_share(model, controller: type, num_speculative_tokens: int) -> float:
     """The share of the engine's memory budget that incremental drafts keep for the MTP caches."""
     if not issubclass(controller, incremental_drafts.IncrementalDraftsController):
         return 0.0
-    return incremental_drafts.mtp_cache_share(model, incremental_drafts.mtp_cache_depths(model, num_speculative_tokens))
+    return incremental_drafts.mtp_cache_share(model, engine_compat.draft_depths(model, num_speculative_tokens))
 
 
 def kv_memory(engine) -> dict[str, int]:
@@ -178,6 +201,8 @@ def kv_memory(engine) -> dict[str, int]:
 
 
 def log_kv_memory(engine) -> None:
+    if not isinstance(getattr(engine.controller, "drafter", None), incremental_drafts.IncrementalDrafts):
+        return
     memory = kv_memory(engine)
     if memory["mtp"]:
         logger.info(
@@ -237,26 +262,19 @@ class TokenIdsAsText:
 
 @contextlib.contextmanager
 def rollout_mode(model):
-    """Eval mode, no autograd and megatron's InferenceMode flag for the duration of a rollout;
-    afterwards the mode and the flag the model had (train mode and a cleared flag, outside a
-    rollout), whatever happens. Nests: an engine built during a rollout (``auto`` switching k)
-    leaves the rollout's mode in place.
+    """Eval mode, no autograd and megatron's InferenceMode flag (where the release has one) for the
+    duration of a rollout; afterwards the flag and each module's mode as they were
+    (:func:`modes_restored`), whatever happens. Nests: an engine built during a rollout (``auto``
+    switching k) leaves the rollout's mode in place.
 
     No ``cpu_runtime.device_scope()``: once the engine is built, generation reaches no "cuda"
     literal (the local spec's default mask is built on the query's device), and the scope's torch
     function mode costs a Python call per torch op: it took half of a rollout's time on the CPU."""
-    from megatron.core.inference.utils import InferenceMode
-
-    was_training, was_active = model.training, InferenceMode.is_active()
-    model.eval()
-    InferenceMode.set_active()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        if not was_active:
-            InferenceMode.unset_active()
-        model.train(was_training)
+    flag = engine_compat.inference_mode_flag()
+    with modes_restored(model), torch.no_grad():
+        if flag is not None:
+            flag.set_active()
+        yield
 
 
 @contextlib.contextmanager

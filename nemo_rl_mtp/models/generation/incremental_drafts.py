@@ -78,14 +78,6 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def mtp_cache_depths(model, num_speculative_tokens: int) -> int:
-    """MTP depths that draft (and keep a cache) with k drafts per step: k for a repeated layer,
-    else at most one per MTP layer, as megatron's controller counts them."""
-    if not num_speculative_tokens or getattr(model, "mtp", None) is None:
-        return 0
-    return num_speculative_tokens if model.mtp.mtp_use_repeated_layer else min(num_speculative_tokens, len(model.mtp.layers))
-
-
 def mtp_cache_share(model, num_depths: int) -> float:
     """The MTP caches' share of the engine's KV memory: per block, each MTP depth stores what one
     decoder layer stores (same heads and head size), so of L decoder layers and D depths on this

@@ -16,14 +16,22 @@ engine's equality check are the accepted drafts themselves, then the residual (o
 which never equals the rejected draft. The check therefore accepts exactly the drafts rejection
 sampling accepted, and the engine's KV-cache rewind, its log-probs (the policy's, read from the
 verification rows) and its acceptance counters work as they do for exact match. p and q are the
-distributions megatron's sampler draws from (its own ``log_probs_kernel``: temperature, top-k,
-top-p), so the two verifications differ only in the acceptance rule.
+distributions megatron's sampler draws from (temperature, top-k, top-p: its own
+``log_probs_kernel``, or on releases without one the same filters written out and checked
+against its sampler), so the two verifications differ only in the acceptance rule.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+
 import torch
 from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+
+from nemo_rl_mtp.models.generation import engine_compat
+
+logger = logging.getLogger(__name__)
 
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -51,14 +59,50 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gen
 
 class RejectionSamplingController(TextGenerationController):
     """megatron's controller, recording the distribution each draft is sampled from and
-    verifying drafts by rejection sampling."""
+    verifying drafts by rejection sampling. The release's hooks for the verification rows and
+    its sampling distribution are probed (:mod:`engine_compat`): the sampling backend's
+    ``sample_speculative`` or the controller's ``_sample_speculative_logits``; the backend's
+    ``log_probs_kernel`` or :func:`engine_compat.sampling_log_probs` with the rollout's sampling
+    parameters, where a probe finds the release's sampler drawing exactly from it."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._sampling = _RejectionSampling(self._sampling, self)
+        self._native_log_probs = engine_compat.native_log_probs(self)
+        if self._native_log_probs is None:
+            agrees, reason = engine_compat.release_sampler_agrees(self)
+            if not agrees:
+                from nemo_rl_mtp.models.generation.engine_release import megatron_release
+
+                raise RuntimeError(
+                    f"policy.generation.spec_verification=rejection_sampling: {megatron_release()}'s sampling backend has "
+                    f"no log_probs_kernel and {reason}; set policy.generation.spec_verification=exact_match"
+                )
+            logger.info("rejection sampling: the sampling distribution written out (no log_probs_kernel): %s", reason)
+        if engine_compat.verification_rows_hook(self) == "sampling backend.sample_speculative":
+            self._sampling = _RejectionSampling(self._sampling, self)
+        self.request_sampling = None
         self._draft_request_ids = None
         self._draft_tokens: list[torch.Tensor] = []
         self._draft_probs: list[torch.Tensor] = []
+
+    def note_request_sampling(self, sampling_params) -> None:
+        """A request's sampling parameters, as added to the engine (before a rollout: None). The
+        written-out distribution serves one set of parameters per rollout."""
+        params = (float(sampling_params.temperature), int(sampling_params.top_k), float(sampling_params.top_p))
+        if self._native_log_probs is None and self.request_sampling not in (None, params):
+            raise ValueError(
+                "rejection sampling without the sampling backend's log_probs_kernel serves one (temperature, top_k, "
+                f"top_p) per rollout; got {self.request_sampling} and {params}"
+            )
+        self.request_sampling = params
+
+    def sampling_probs(self, logits: torch.Tensor, token_to_request_index: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, V]: the distribution megatron's sampler draws each row of ``logits`` [N, V] from
+        (temperature, top-k, top-p of the row's request)."""
+        if self._native_log_probs is not None:
+            context = self.inference_wrapped_model.inference_context
+            return self._native_log_probs(logits, context, token_to_request_index=token_to_request_index).exp()
+        return engine_compat.sampling_log_probs(logits, *self.request_sampling).exp()
 
     def _compute_serial_mtp_and_sample(self, *args, **kwargs) -> None:
         context = self.inference_wrapped_model.inference_context
@@ -68,9 +112,8 @@ class RejectionSamplingController(TextGenerationController):
 
     def _sample_from_logits_2d(self, logits_2d: torch.Tensor) -> torch.Tensor:
         """One depth of drafts ([active requests]), drawn from q, megatron's sampling distribution
-        of the logits (its ``log_probs_kernel``: temperature, top-k, top-p), which is recorded."""
-        context = self.inference_wrapped_model.inference_context
-        probs = self._sampling.log_probs_kernel(logits_2d, context).exp()
+        of the logits (temperature, top-k, top-p), which is recorded."""
+        probs = self.sampling_probs(logits_2d)
         tokens = torch.multinomial(probs, 1, generator=self.sampling_rng).view(-1)
         self._draft_tokens.append(tokens)
         self._draft_probs.append(probs)
@@ -89,9 +132,38 @@ class RejectionSamplingController(TextGenerationController):
         probs = torch.stack(self._draft_probs, dim=1)[where]
         return drafts, probs
 
-    def _verify_speculative_tokens(self, output_tokens, input_tokens_required, num_decode_requests, *args, **kwargs):
+    def rejection_sampled_rows(self, logits: torch.Tensor, num_decode: int, num_prefill: int) -> torch.Tensor:
+        """Tokens for the verification rows ``logits`` [D * (k + 1) + P, V] (decode requests' k + 1
+        rows each, then prefill requests' one): decode requests' rows by rejection sampling,
+        prefill requests' from p."""
+        k = self.num_speculative_tokens
+        decode_rows = num_decode * (k + 1)
+        request_of_row = torch.cat(
+            [torch.arange(num_decode).repeat_interleave(k + 1), torch.arange(num_decode, num_decode + num_prefill)]
+        )
+        p = self.sampling_probs(logits, token_to_request_index=request_of_row)
+        parts = []
+        if num_decode:
+            drafts, q = self.drafts_of_decode_requests(num_decode)
+            p_decode = p[:decode_rows].view(num_decode, k + 1, -1)
+            parts.append(rejection_sample(p_decode, q, drafts.to(p.device), self.sampling_rng).view(-1))
+        if num_prefill:
+            parts.append(torch.multinomial(p[decode_rows:], 1, generator=self.sampling_rng).view(-1))
+        return torch.cat(parts)
+
+    def _sample_speculative_logits(self, required_logits: torch.Tensor, request_in_prefill_status_tensor: torch.Tensor):
+        """megatron-core 0.17's verification rows (decode requests first): ``(tokens, rows per
+        request)``, the tokens by rejection sampling."""
+        num_prefill = int(request_in_prefill_status_tensor.sum())
+        num_decode = request_in_prefill_status_tensor.numel() - num_prefill
+        repeats = torch.where(request_in_prefill_status_tensor == 0, 1 + self.num_speculative_tokens, 1)
+        return self.rejection_sampled_rows(required_logits, num_decode, num_prefill), repeats
+
+    def _verify_speculative_tokens(self, *args, **kwargs):
         """The engine's equality check, after asserting (on the device) that the drafts it
         verifies are the ones rejection sampling judged."""
+        arguments = _VERIFY_SIGNATURE.bind(self, *args, **kwargs).arguments
+        num_decode_requests, input_tokens_required = arguments["num_decode_requests"], arguments["input_tokens_required"]
         if num_decode_requests:
             stride = self.num_speculative_tokens + 1
             verified = input_tokens_required.reshape(-1)[: num_decode_requests * stride].view(num_decode_requests, stride)[:, 1:]
@@ -100,7 +172,12 @@ class RejectionSamplingController(TextGenerationController):
                 (verified == recorded.to(verified.device)).all(),
                 "rejection sampling: the drafts in the engine's input are not the recorded ones",
             )
-        return super()._verify_speculative_tokens(output_tokens, input_tokens_required, num_decode_requests, *args, **kwargs)
+        return super()._verify_speculative_tokens(*args, **kwargs)
+
+
+_VERIFY_SIGNATURE = inspect.signature(TextGenerationController._verify_speculative_tokens) if hasattr(
+    TextGenerationController, "_verify_speculative_tokens"
+) else None
 
 
 class _RejectionSampling:
@@ -115,22 +192,7 @@ class _RejectionSampling:
         return getattr(self._backend, name)
 
     def sample_speculative(self, required_logits, num_decode, num_prefill, num_speculative_tokens, context, *, gather_indices=None, **unused):
-        """Tokens for every verification row ([D * (k + 1) + P]): decode requests' rows by
-        rejection sampling, prefill requests' single rows from p."""
-        k = num_speculative_tokens
-        decode_rows = num_decode * (k + 1)
-        count = decode_rows + num_prefill
+        """Tokens for every verification row ([D * (k + 1) + P])."""
+        count = num_decode * (num_speculative_tokens + 1) + num_prefill
         logits = required_logits[gather_indices[:count]] if gather_indices is not None else required_logits[:count]
-        request_of_row = torch.cat(
-            [torch.arange(num_decode).repeat_interleave(k + 1), torch.arange(num_decode, num_decode + num_prefill)]
-        )
-        p = self._backend.log_probs_kernel(logits, context, token_to_request_index=request_of_row).exp()
-        generator = self._controller.sampling_rng
-        parts = []
-        if num_decode:
-            drafts, q = self._controller.drafts_of_decode_requests(num_decode)
-            p_decode = p[:decode_rows].view(num_decode, k + 1, -1)
-            parts.append(rejection_sample(p_decode, q, drafts.to(p.device), generator).view(-1))
-        if num_prefill:
-            parts.append(torch.multinomial(p[decode_rows:], 1, generator=generator).view(-1))
-        return torch.cat(parts)
+        return self._controller.rejection_sampled_rows(logits, num_decode, num_prefill)

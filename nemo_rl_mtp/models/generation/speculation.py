@@ -28,26 +28,30 @@ acceptance at temperature > 0 is sum_x p(x) q(x); rejection sampling reaches sum
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
+
+from nemo_rl_mtp.models.generation import engine_release
 
 
 def max_speculative_tokens(megatron_cfg) -> int | None:
     """The most drafts per step the installed engine accepts for this model: ``mtp_num_layers``,
-    unlimited (None) for a repeated MTP layer, 0 where the engine has no speculative decoding."""
-    from megatron.core.inference.config import InferenceConfig
-
-    if "num_speculative_tokens" not in {field.name for field in dataclasses.fields(InferenceConfig)}:
+    unlimited (None) for a repeated MTP layer where the controller drafts a depth per token, 0
+    where the engine has no speculative decoding (:mod:`engine_release`)."""
+    if engine_release.speculation_missing() is not None:
         return 0
-    if megatron_cfg.mtp_num_layers and megatron_cfg.mtp_use_repeated_layer:
+    if megatron_cfg.mtp_num_layers and megatron_cfg.mtp_use_repeated_layer and engine_release.repeated_layer_depths_missing() is None:
         return None
     return megatron_cfg.mtp_num_layers
 
 
 def check_speculation_supported(generation_cfg, megatron_cfg) -> None:
-    """Raise ValueError naming the key when the engine cannot speculate as configured (``auto``
-    chooses within what the model allows)."""
+    """Raise ValueError, one line naming the key, when the installed engine cannot speculate as
+    configured: a release without speculative decoding (or without what the configuration asks
+    of it), or more drafts than the model's heads can propose (``auto`` chooses within what the
+    model allows)."""
+    unsupported = engine_release.unsupported_generation(generation_cfg, megatron_cfg)
+    if unsupported is not None:
+        raise ValueError(unsupported)
     k = generation_cfg.num_speculative_tokens
     if k == "auto" or k <= 0:
         return

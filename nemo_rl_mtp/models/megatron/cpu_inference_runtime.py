@@ -23,6 +23,7 @@ nothing, and the engine runs unmodified with flash-attn (the ``gpu`` extra).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import time
 from typing import Optional
@@ -58,25 +59,43 @@ def install() -> bool:
     if _INSTALLED:
         return True
     cpu_runtime.install()
-    from megatron.core.inference import communication_utils
-    from megatron.core.inference.contexts import dynamic_context
-    from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch, text_generation_controller
-    from megatron.core.transformer import attention
-
     torch.cuda.Event = HostEvent
     torch.cuda.Stream = cpu_runtime.HostStream
     torch.cuda.stream = _host_stream_context
-    attention.flash_attn_varlen_func = paged_attention.flash_attn_varlen_func
-    attention.flash_attn_with_kvcache = paged_attention.flash_attn_with_kvcache
-    attention.is_fa_min_version = _paged_attention_stands_in
-    dynamic_context.triton_append_key_value_cache = None
-    communication_utils._is_cuda = _is_tensor
-    for kernel in ("verify_speculative_tokens", "mamba_state_selective_copy"):
-        setattr(text_generation_controller, kernel, getattr(mtp_utils_pytorch, kernel))
-    text_generation_controller.prepare_next_forward_pass = speculative_kernels.prepare_next_forward_pass
+    absent = []
+    for module_name, name, replacement in _module_targets():
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            absent.append(f"{module_name.rsplit('.', 1)[-1]}.{name}")
+            continue
+        setattr(module, name, replacement)
     _INSTALLED = True
     logger.info("cpu_inference_runtime: inference engine adapted to CPU: %s", ADAPTATIONS)
+    if absent:
+        logger.info("cpu_inference_runtime: not in this megatron-core release, so not reached: %s", ", ".join(absent))
     return True
+
+
+def _module_targets() -> list[tuple[str, str, object]]:
+    """(module, name, stand-in) of every CUDA-only piece the engine of some release reaches by a
+    module-level name. A release without the name does not reach it (the triton kernels of
+    speculative decoding: 0.18 on); a release that renamed one would run the CUDA kernel and
+    fail at once, and this module's log names what it did not find."""
+    controller = "megatron.core.inference.text_generation_controllers.text_generation_controller"
+    targets = [
+        ("megatron.core.transformer.attention", "flash_attn_varlen_func", paged_attention.flash_attn_varlen_func),
+        ("megatron.core.transformer.attention", "flash_attn_with_kvcache", paged_attention.flash_attn_with_kvcache),
+        ("megatron.core.transformer.attention", "is_fa_min_version", _paged_attention_stands_in),
+        ("megatron.core.inference.contexts.dynamic_context", "triton_append_key_value_cache", None),
+        ("megatron.core.inference.communication_utils", "_is_cuda", _is_tensor),
+        (controller, "prepare_next_forward_pass", speculative_kernels.prepare_next_forward_pass),
+    ]
+    if hasattr(importlib.import_module(controller), "verify_speculative_tokens"):
+        # The controller's triton kernels have PyTorch versions next to them.
+        from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch
+
+        targets += [(controller, kernel, getattr(mtp_utils_pytorch, kernel)) for kernel in ("verify_speculative_tokens", "mamba_state_selective_copy")]
+    return targets
 
 
 class HostEvent:

@@ -29,11 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import logging
 
 import torch
 from megatron.core import parallel_state
 
 from nemo_rl_mtp.models.megatron.common import backward_seed_over, sum_over_data_parallel
+
+logger = logging.getLogger(__name__)
 
 MOE_CONFIG_KEYS = ("num_moe_experts", "moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
 
@@ -65,16 +69,70 @@ def moe_config_kwargs(megatron_cfg) -> dict:
 
 
 def check_moe_supported(megatron_cfg) -> None:
-    """Raise ValueError, naming the key, where the installed megatron-core cannot normalise the
-    load-balancing loss: before 0.19 its schedule reads no ``moe_grad_scale_func``."""
+    """Raise ValueError, one line naming the key and the release, where the installed megatron-core
+    cannot run the configured MoE trunk: before 0.19 its schedule reads no ``moe_grad_scale_func``
+    (the load-balancing loss cannot be normalised), or the router's private names the global load
+    statistics reach are gone or changed (:func:`router_names_changed`)."""
     from megatron.core.pipeline_parallel import schedules
 
-    if megatron_cfg.num_moe_experts and megatron_cfg.moe_aux_loss_coeff > 0 and not hasattr(schedules, "_get_moe_loss_scale"):
+    from nemo_rl_mtp.models.megatron.compat import megatron_core_version
+
+    if not megatron_cfg.num_moe_experts:
+        return
+    if megatron_cfg.moe_aux_loss_coeff > 0 and not hasattr(schedules, "_get_moe_loss_scale"):
         raise ValueError(
-            f"policy.megatron_cfg.moe_aux_loss_coeff={megatron_cfg.moe_aux_loss_coeff}: this megatron-core's schedule "
-            "has no moe_grad_scale_func, so the load-balancing loss cannot be normalised like the policy loss "
-            "(megatron-core >= 0.19 can); set it to 0 or upgrade"
+            f"policy.megatron_cfg.moe_aux_loss_coeff={megatron_cfg.moe_aux_loss_coeff}: megatron-core "
+            f"{megatron_core_version()}'s schedule has no moe_grad_scale_func, so the load-balancing loss cannot be "
+            "normalised like the policy loss (megatron-core >= 0.19 can); set it to 0 or upgrade"
         )
+    changed = router_names_changed() if uses_global_load_statistics(megatron_cfg) else []
+    if changed:
+        raise ValueError(
+            f"policy.megatron_cfg.moe_router_load_balancing_type={GLOBAL_BATCH_AUX_LOSS}: megatron-core "
+            f"{megatron_core_version()}'s router changed what the global load statistics reach ({'; '.join(changed)}); "
+            "use aux_loss or adapt nemo_rl_mtp/models/megatron/moe.py"
+        )
+
+
+# TopKRouter's private or positional names the global load statistics reach, with the parameters
+# they need (by name): the aux loss replaced per router, the padding mask the token counts read,
+# the loss attached with a valid-token count.
+ROUTER_METHODS = {
+    "_apply_global_aux_loss": ["probs", "scores_for_aux_loss", "routing_map"],
+    "forward": ["padding_mask"],
+    "attach_and_log_load_balancing_loss": ["activation", "aux_loss_coeff", "aux_loss", "aux_loss_name", "reduce_group", "valid_token_count"],
+    "get_aux_loss_coeff": ["aux_loss_type"],
+}
+
+
+def router_names_changed() -> list[str]:
+    """What of ``ROUTER_METHODS`` the installed ``TopKRouter`` lacks (gone, or a parameter gone)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    problems = []
+    for name, needed in ROUTER_METHODS.items():
+        method = getattr(TopKRouter, name, None)
+        if not callable(method):
+            problems.append(f"TopKRouter.{name} (gone)")
+            continue
+        parameters = inspect.signature(method).parameters
+        if not set(needed) <= set(parameters):
+            problems.append(f"TopKRouter.{name} (no parameter {sorted(set(needed) - set(parameters))[0]}; parameters now {list(parameters)})")
+    return problems
+
+
+def install_router_gemm_fallback() -> bool:
+    """Compat: megatron-core 0.16's router GEMM checks ``te_general_gemm is not None`` but binds
+    the name only where Transformer Engine imports, so without TE every MoE router raises
+    NameError. Where the module lacks the name it is bound to None (megatron's torch GEMM path);
+    a release that binds it is left alone. Idempotent; returns whether it was bound here."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    logger.info("moe_utils.te_general_gemm unbound without Transformer Engine (megatron-core 0.16): bound to None, the torch GEMM")
+    return True
 
 
 def count_global_router_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -102,15 +160,16 @@ def counting_routed_tokens(routers: list):
     excluded (the router's padding mask), top-k choices counted once each."""
     counts = {router: None for router in routers}
 
-    def count(router, args, output):
+    def count(router, args, kwargs, output):
         routing_map = output[1]
-        padding = args[1] if len(args) > 1 else None
+        # By name, wherever the caller put it (check_moe_supported probed the parameter).
+        padding = inspect.signature(router.forward).bind(*args, **kwargs).arguments.get("padding_mask")
         if padding is not None:
             routing_map = routing_map & ~padding.reshape(-1, 1)
         tokens = routing_map.sum(dim=0).float()
         counts[router] = tokens if counts[router] is None else counts[router] + tokens
 
-    handles = [router.register_forward_hook(count) for router in routers]
+    handles = [router.register_forward_hook(count, with_kwargs=True) for router in routers]
     try:
         yield counts
     finally:

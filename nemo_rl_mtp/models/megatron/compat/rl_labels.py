@@ -184,9 +184,12 @@ def _postprocess_with_backported_loss(original):
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-        inference = arguments.get("inference_context") is not None and not self.training
-        if inference or not self.post_process or self.config.mtp_num_layers is None:
+        if not self.post_process or self.config.mtp_num_layers is None:
             return original(self, *args, **kwargs)
+        if arguments.get("inference_context") is not None and not self.training:
+            # 0.16 runs the MTP block in an inference engine's forward too, then its loss on labels
+            # the engine has not; 0.17 on skip both there. The engine's forward is the trunk's.
+            return _without_inline_mtp(original, self, arguments)
         hidden_states = arguments["hidden_states"]
         if arguments["mtp_in_postprocess"]:
             hidden_states = self.mtp(
@@ -219,11 +222,18 @@ def _postprocess_with_backported_loss(original):
             packed_seq_params=arguments["packed_seq_params"],
             input_ids=arguments["input_ids"],
         )
-        arguments["mtp_in_postprocess"] = False
-        num_layers, self.config.mtp_num_layers = self.config.mtp_num_layers, None
-        try:
-            return original(**arguments)
-        finally:
-            self.config.mtp_num_layers = num_layers
+        return _without_inline_mtp(original, self, arguments)
 
     return _postprocess
+
+
+def _without_inline_mtp(original, model, arguments: dict):
+    """0.14-0.16's ``_postprocess`` with ``mtp_in_postprocess=False`` and ``config.mtp_num_layers``
+    briefly None: no MTP block, no inline MTP loss (forward is not re-entrant, so the brief change
+    is safe)."""
+    arguments = {**arguments, "mtp_in_postprocess": False}
+    num_layers, model.config.mtp_num_layers = model.config.mtp_num_layers, None
+    try:
+        return original(**arguments)
+    finally:
+        model.config.mtp_num_layers = num_layers

@@ -12,7 +12,7 @@ from nemo_rl_mtp.models.generation.adaptive_speculation import AdaptiveSpeculati
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.utils.config import ConfigError
 from tests.helpers import make_policy, recompute_sampler, tiny_config
-from tests.unit.models.generation.engine_cases import PROMPTS, TOKENIZER, engine_overrides, generate
+from tests.unit.models.generation.engine_cases import PROMPTS, TOKENIZER, engine_overrides, generate, requires_speculation, speculation_skip_reason
 
 COUNTS_NONE = {"draft_proposed": torch.zeros(0, dtype=torch.long), "draft_accepted": torch.zeros(0, dtype=torch.long)}
 
@@ -127,6 +127,7 @@ def test_auto_is_a_config_value_and_other_words_are_not():
         tiny_config(generation__num_speculative_tokens="fast")
 
 
+@requires_speculation
 @pytest.mark.usefixtures("megatron_world")
 def test_auto_rollouts_are_the_greedy_reference_and_report_their_choice():
     policy, cfg = make_policy(**engine_overrides("auto", 2, generation__top_k=1))
@@ -140,6 +141,7 @@ def test_auto_rollouts_are_the_greedy_reference_and_report_their_choice():
     assert engine.adaptive.profiled[batch_bucket(len(PROMPTS))].keys() == {0, 1, 2}
 
 
+@requires_speculation
 @pytest.mark.usefixtures("megatron_world")
 def test_auto_does_not_speculate_with_drafts_the_policy_rarely_accepts():
     """Untrained heads verified by equality at temperature 1 over 14 tokens: about sum_x p q, under
@@ -151,6 +153,7 @@ def test_auto_does_not_speculate_with_drafts_the_policy_rarely_accepts():
         assert int(rollouts["speculative_tokens"]) == 0, engine.adaptive.acceptance(greedy=False)
 
 
+@requires_speculation
 @pytest.mark.usefixtures("megatron_world")
 def test_the_trainers_forecast_reaches_the_next_choice():
     """Step costs fixed by hand (a speculative step at 1.2x a plain one): with the forecast of
@@ -163,3 +166,26 @@ def test_the_trainers_forecast_reaches_the_next_choice():
     assert int(rollouts["speculative_tokens"]) == 1 and rollouts["draft_proposed"].shape == (1,)
     engine.observe_training_metrics({"mtp/mtp_1_expected_acceptance": 5.0})  # the rollout's acceptance is stale now
     assert int(generate(engine)["speculative_tokens"]) == 0 and engine.num_speculative_tokens == 0
+
+
+@pytest.mark.skipif(
+    speculation_skip_reason() is None, reason="the installed engine speculates; auto without speculation runs on a release without it (0.16)"
+)
+@pytest.mark.usefixtures("megatron_world")
+def test_auto_on_an_engine_without_speculation_chooses_no_drafts_and_a_number_is_refused(caplog):
+    """auto chooses 0 (said once, by the configuration check), with no profiling of drafts the
+    engine cannot run; k = 1 is refused when the configuration is loaded, in one line naming the
+    release and what it lacks."""
+    from nemo_rl_mtp.models.generation.speculation import check_speculation_supported
+
+    policy, cfg = make_policy(**engine_overrides("auto", 1, generation__top_k=1))
+    with caplog.at_level("INFO"):
+        check_speculation_supported(cfg.generation, cfg.megatron_cfg)
+    assert caplog.text.count("auto chooses 0") == 1
+    engine = RolloutEngine(policy, cfg)
+    rollouts = generate(engine)
+    assert engine.adaptive is None and engine.num_speculative_tokens == 0 and rollouts["draft_proposed"].shape == (0,)
+    reference = recompute_sampler(policy, PROMPTS, cfg.generation.max_new_tokens, TOKENIZER.eos_id)
+    assert [row[:length].tolist() for row, length in zip(rollouts["tokens"], rollouts["lengths"])] == reference
+    with pytest.raises(ConfigError, match=r"^policy.generation.num_speculative_tokens=1: megatron-core 0\.16\.\d+: its DynamicInferenceEngine has no speculative decoding"):
+        tiny_config(**engine_overrides(1, 1))

@@ -5,13 +5,18 @@ drafts' logits, their independence from the batch, and the engine's acceptance c
 from __future__ import annotations
 
 import pytest
-import torch
 
-from nemo_rl_mtp.models.generation import incremental_drafts, sequence_drafts
-from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
-from nemo_rl_mtp.models.megatron.module_modes import eval_mode
-from tests.helpers import eval_forward_logits, make_policy, response_mask, tiny_config
-from tests.unit.models.generation.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides, generate
+from tests.unit.models.generation.engine_cases import skip_module_without_speculation
+
+skip_module_without_speculation()
+
+import torch  # noqa: E402
+
+from nemo_rl_mtp.models.generation import incremental_drafts, sequence_drafts  # noqa: E402
+from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine  # noqa: E402
+from nemo_rl_mtp.models.megatron.module_modes import eval_mode  # noqa: E402
+from tests.helpers import eval_forward_logits, make_policy, response_mask, tiny_config  # noqa: E402
+from tests.unit.models.generation.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides, generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

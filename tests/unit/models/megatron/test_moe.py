@@ -158,6 +158,58 @@ def test_global_batch_load_balancing_loss_is_the_switch_loss_of_the_whole_batch(
     assert metrics["moe/load_balancing_loss"] == pytest.approx(float(torch.stack(per_layer).mean()), rel=1e-4)
 
 
+def _global_statistics_cfg():
+    from tests.helpers import tiny_config
+
+    return tiny_config(
+        **MOE, megatron_cfg__moe_router_load_balancing_type=moe.GLOBAL_BATCH_AUX_LOSS, megatron_cfg__moe_aux_loss_coeff=0.0
+    ).policy.megatron_cfg
+
+
+def test_the_router_names_the_global_load_statistics_reach_are_in_the_installed_release():
+    assert moe.router_names_changed() == []
+    moe.check_moe_supported(_global_statistics_cfg())
+
+
+def _forward_with_padding_mask_renamed(self, input, pad_mask=None):
+    raise AssertionError("never called: the configuration check runs before any forward")
+
+
+@pytest.mark.parametrize("renamed", ["_apply_global_aux_loss", "padding_mask"])
+def test_a_renamed_router_name_is_refused_naming_it(monkeypatch, renamed):
+    """Upstream renaming the aux-loss hook would leave megatron's per-microbatch statistic in place;
+    renaming the padding mask would count padding: both silently. The real TopKRouter, renamed."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if renamed == "padding_mask":
+        monkeypatch.setattr(TopKRouter, "forward", _forward_with_padding_mask_renamed)
+    else:
+        monkeypatch.delattr(TopKRouter, renamed)
+    with pytest.raises(ValueError, match=rf"global_batch_aux_loss: megatron-core .*TopKRouter\.(forward \(no parameter {renamed}|{renamed} \(gone)"):
+        moe.check_moe_supported(_global_statistics_cfg())
+
+
+def test_the_routed_token_counts_find_the_padding_mask_by_name():
+    """The same router call with the padding mask by position and by keyword counts the same tokens,
+    and fewer than without it (the control)."""
+    policy, _ = make_policy(**MOE, megatron_cfg__moe_aux_loss_coeff=0.0)
+    router = moe.routers_of(policy.model.module)[0]
+    hidden = torch.randn(6, 2, router.config.hidden_size)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[:, 4:] = True
+    counted = {}
+    for name, call in (
+        ("positional", lambda: router(hidden, padding)),
+        ("keyword", lambda: router(hidden, padding_mask=padding)),
+        ("none", lambda: router(hidden)),
+    ):
+        with torch.no_grad(), moe.counting_routed_tokens([router]) as counts:
+            call()
+        counted[name] = counts[router]
+    assert torch.equal(counted["positional"], counted["keyword"])
+    assert counted["keyword"].sum() == 2 * 4 * router.topk and counted["none"].sum() == 2 * 6 * router.topk
+
+
 @pytest.mark.parametrize("chosen, megatron_name", [("global_batch_aux_loss", "global_aux_loss"), ("aux_loss", "aux_loss"), ("seq_aux_loss", "seq_aux_loss")])
 def test_transformer_config_names_the_chosen_load_balancing(chosen, megatron_name):
     """The TransformerConfig (what a saved model's config says) names the load balancing the user

@@ -1,0 +1,75 @@
+"""GRPO end to end on every megatron-core release the project supports, each in its own uv
+environment (``uv run --with megatron-core==X``, the project's other dependencies as locked): real
+Ray workers, rollouts on the release's own inference engine, MTP training, checkpoints.
+
+- 0.17 on: the engine speculates with the policy's MTP head (one draft per step, verified by
+  rejection sampling); the rollouts report drafts proposed and accepted, and the MTP head trains.
+- 0.16: its engine has no speculative decoding. One draft per step is refused before any worker
+  starts, in one line naming the release and what it lacks; ``auto`` runs without drafts.
+
+Releases: ``NEMO_RL_MTP_RELEASES`` (space-separated), default 0.16.1 0.17.1 0.18.2 0.19.2. The
+reference release's GRPO runs are ``test_grpo.py`` in the locked environment; here it runs only when
+named in ``NEMO_RL_MTP_RELEASES``. Each run costs its start-up (uv environment, imports, a local Ray
+instance, the worker), about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_rl_mtp.utils.logger import read_metrics
+from tests.helpers import SMALL_GRPO_STEP
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import mtp_release_matrix  # noqa: E402
+
+RELEASES = os.environ.get("NEMO_RL_MTP_RELEASES", " ".join(mtp_release_matrix.DEFAULT_RELEASES)).split()
+# Releases whose engine has no speculative decoding (written out from what each release has).
+WITHOUT_SPECULATION = {"0.16"}
+ONE_STEP = [*SMALL_GRPO_STEP, "grpo.max_num_steps=1", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false"]
+
+
+def _run_grpo(release: str, log_dir: Path, name: str, *overrides: str) -> subprocess.CompletedProcess:
+    command = [
+        "uv", "run", "--frozen", "--with", f"megatron-core=={release}", "--group", "test", "python", "examples/run_grpo.py",
+        *ONE_STEP, f"logger.log_dir={log_dir}", f"logger.run_name={name}", *overrides,
+    ]  # fmt: skip
+    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize(
+    "release", [release for release in RELEASES if release != mtp_release_matrix.REFERENCE_RELEASE or "NEMO_RL_MTP_RELEASES" in os.environ]
+)
+def test_grpo_runs_on_the_release_with_the_speculation_its_engine_has(release, tmp_path):
+    minor = ".".join(release.split(".")[:2])
+    speculates = minor not in WITHOUT_SPECULATION
+    k = "1" if speculates else "auto"
+    completed = _run_grpo(release, tmp_path, "run", f"policy.generation.num_speculative_tokens={k}")
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    (step,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert math.isfinite(step["train/loss"]) and step["train/mtp/mtp_1_loss"] > 0 and step["train/mtp/grad_norm"] > 0
+    if speculates:
+        assert step["rollout/draft_1_proposed"] > 0 and 0 <= step["rollout/draft_1_accepted"] <= step["rollout/draft_1_proposed"]
+    else:
+        assert not [key for key in step if key.startswith("rollout/draft_")]
+        assert "auto chooses 0" in completed.stderr + completed.stdout
+
+
+@pytest.mark.parametrize("release", [release for release in RELEASES if ".".join(release.split(".")[:2]) in WITHOUT_SPECULATION])
+def test_drafts_are_refused_in_one_line_before_any_worker_starts(release, tmp_path):
+    completed = _run_grpo(release, tmp_path, "refused", "policy.generation.num_speculative_tokens=1")
+    output = (completed.stdout + completed.stderr).strip().splitlines()
+    assert completed.returncode == 2, output[-20:]
+    assert output[-1].startswith(f"config error: policy.generation.num_speculative_tokens=1: megatron-core {release}: ")
+    assert "no speculative decoding" in output[-1]
+    assert not any("Ray" in line for line in output), "refused after Ray started"
