@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from nemo_rl_mtp.data.synthetic import synthetic_rl_batch
 from nemo_rl_mtp.utils.config import load_config
+from tests.synthetic import synthetic_rl_batch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES = REPO_ROOT / "examples" / "configs"
