@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
-from nemo_rl_mtp.data.synthetic import synthetic_rl_batch
-from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy
-from nemo_rl_mtp.models.megatron.train import train_global_batch
-from nemo_rl_mtp.utils.config import load_config
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # the synthetic batch is a test helper (tests/synthetic.py)
+
+from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn  # noqa: E402
+from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy  # noqa: E402
+from nemo_rl_mtp.models.megatron.train import train_global_batch  # noqa: E402
+from nemo_rl_mtp.utils.config import load_config  # noqa: E402
+from tests.synthetic import synthetic_rl_batch  # noqa: E402
 
 VOCAB_SIZE = 32
 LOSS = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.0)

@@ -37,7 +37,6 @@ def measure(reference_dir: Path, save_reference: bool, shims: bool) -> list[dict
     if not shims:
         compat.apply_mtp_compat_shims = lambda: []
 
-    from nemo_rl_mtp.data.synthetic import synthetic_rl_batch
     from nemo_rl_mtp.models.megatron.compat import megatron_core_version
     from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy
     from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
@@ -45,6 +44,9 @@ def measure(reference_dir: Path, save_reference: bool, shims: bool) -> list[dict
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
+
+    sys.path.insert(0, str(REPO_ROOT))  # the synthetic batch is a test helper (tests/synthetic.py)
+    from tests.synthetic import synthetic_rl_batch
 
     base = load_config()
     initialize_model_parallel(base.policy.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{_free_port()}")

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import torch
 
-from nemo_rl_mtp.data.synthetic import synthetic_rl_batch
 from nemo_rl_mtp.utils.config import load_config
+from tests.synthetic import synthetic_rl_batch
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RECIPES = REPO_ROOT / "examples" / "configs"
+# examples/run_grpo.py's default recipe (the script names it; the package's command has none).
+DEFAULT_RECIPE = RECIPES / "grpo_mtp_tiny_cpu.yaml"
 VOCAB_SIZE = 32
 # GRPO steps smaller than the default recipe's, to keep CI short: 8 prompts x 4 samples.
 SMALL_GRPO_STEP = [
@@ -20,6 +25,14 @@ SMALL_GRPO_STEP = [
     "grpo.warmup_imitation_steps=0",
     "grpo.val_num_prompts=8",
 ]
+
+
+def run_grpo(argv: list[str]) -> int:
+    """``examples/run_grpo.py <argv>`` in this process (its default recipe unless argv has --config):
+    the exit status."""
+    from nemo_rl_mtp.cli.run_grpo import main
+
+    return main(argv, default_config=DEFAULT_RECIPE)
 
 
 def free_port() -> int:

@@ -29,7 +29,7 @@ from nemo_rl_mtp.environments import setup_task
 from nemo_rl_mtp.environments.interfaces import EnvironmentInterface
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics
 from nemo_rl_mtp.utils.checkpoint import PARTIAL_SUFFIX, CheckpointDirectory
-from nemo_rl_mtp.utils.config import EXEMPLAR_CONFIG, ConfigError, resolve_checkpoint_keys
+from nemo_rl_mtp.utils.config import ConfigError, load_exemplar, resolve_checkpoint_keys
 from nemo_rl_mtp.utils.config_schema import GRPOConfig, LoggerConfig, MasterConfig
 from nemo_rl_mtp.utils.logger import Logger, read_metrics
 
@@ -306,7 +306,7 @@ def check_resumable_config(saved_config: Path, cfg: MasterConfig) -> None:
     had before the key existed."""
     if not saved_config.is_file():
         return
-    saved = {**_leaves(OmegaConf.load(EXEMPLAR_CONFIG)), **_leaves(OmegaConf.load(saved_config))}
+    saved = {**_leaves(load_exemplar()), **_leaves(OmegaConf.load(saved_config))}
     now = _leaves(cfg)
     changed = [
         f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"

@@ -1,13 +1,14 @@
 """Load, merge and validate configs.
 
-Every config is the exemplar (``examples/configs/grpo_mtp.yaml``, the one place defaults live)
-merged with a recipe (which may inherit from other recipes with ``defaults:``) and then with
-``key=value`` overrides. Keys are typed by :mod:`nemo_rl_mtp.utils.config_schema`; an unknown key,
+Every config is the exemplar (``nemo_rl_mtp/configs/grpo_mtp.yaml``, the one place defaults live;
+package data, so an installed wheel has it) merged with a recipe (which may inherit from other
+recipes with ``defaults:``) and then with ``key=value`` overrides. Keys are typed by :mod:`nemo_rl_mtp.utils.config_schema`; an unknown key,
 a wrong type or a value outside its allowed set raises :class:`ConfigError` naming the key.
 """
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -17,8 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nemo_rl_mtp.utils.config_schema import MasterConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-EXEMPLAR_CONFIG = REPO_ROOT / "examples" / "configs" / "grpo_mtp.yaml"
+# Read through importlib.resources: the package's own data, wherever (and however) it is installed.
+EXEMPLAR_CONFIG = resources.files("nemo_rl_mtp") / "configs" / "grpo_mtp.yaml"
 
 _CHOICES = {
     "policy.megatron_cfg.transformer_impl": {"auto", "local", "transformer_engine"},
@@ -124,7 +125,7 @@ class ConfigError(ValueError):
 
 def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()) -> DictConfig:
     """Exemplar <- recipe at ``path`` (with its ``defaults:`` chain) <- ``overrides``."""
-    layers = [("exemplar " + str(EXEMPLAR_CONFIG), _load_yaml_with_defaults(EXEMPLAR_CONFIG))]
+    layers = [("exemplar " + str(EXEMPLAR_CONFIG), load_exemplar())]
     if path is not None:
         layers.append((str(path), _load_yaml_with_defaults(Path(path))))
     if overrides:
@@ -143,6 +144,11 @@ def load_config(path: Optional[str | Path] = None, overrides: Sequence[str] = ()
     validate_config(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def load_exemplar() -> DictConfig:
+    """The exemplar's keys and defaults, unvalidated (a fresh object each call: callers may change it)."""
+    return OmegaConf.create(EXEMPLAR_CONFIG.read_text(encoding="utf-8"))
 
 
 def _defer_checkpoint_keys(cfg: DictConfig, set_keys: set[str]) -> None:
@@ -168,7 +174,7 @@ def load_saved_config(path: str | Path) -> DictConfig:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(MasterConfig), _load_yaml_with_defaults(EXEMPLAR_CONFIG), OmegaConf.load(path))
+        cfg = OmegaConf.merge(OmegaConf.structured(MasterConfig), load_exemplar(), OmegaConf.load(path))
     except OmegaConfBaseException as error:
         raise ConfigError(f"{path}: {_describe(error)}") from None
     validate_config(cfg)
@@ -188,7 +194,7 @@ def resolve_checkpoint_keys(cfg: DictConfig, facts) -> DictConfig:
             f"layer(s) with weights; leave the key unset (or set it to {facts.mtp_num_layers})"
         )
     if mtp_num_layers is None:
-        mtp_num_layers = facts.mtp_num_layers or OmegaConf.load(EXEMPLAR_CONFIG).policy.megatron_cfg.mtp_num_layers
+        mtp_num_layers = facts.mtp_num_layers or load_exemplar().policy.megatron_cfg.mtp_num_layers
     _require(
         cfg.policy.max_total_sequence_length <= facts.max_position_embeddings,
         "policy.max_total_sequence_length",
@@ -550,7 +556,9 @@ def _require(condition: bool, key: str, value, reason: str) -> None:
 
 
 def _load_yaml_with_defaults(path: Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
-    """A YAML file merged over the files its ``defaults:`` key names (relative to it)."""
+    """A YAML file merged over the files its ``defaults:`` key names (relative to it). The bare name
+    of the exemplar (``defaults: grpo_mtp.yaml``) names the packaged exemplar wherever the recipe
+    lives; it is skipped here because the exemplar is always the base layer."""
     path = path.resolve()
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -573,9 +581,9 @@ def _load_yaml_with_defaults(path: Path, _seen: tuple[Path, ...] = ()) -> DictCo
         raise ConfigError(f"{path}: defaults must be a file name or a list of them, got {parents!r}")
     merged = OmegaConf.create()
     for parent in parents:
-        parent_path = (path.parent / str(parent)).resolve()
-        if parent_path == EXEMPLAR_CONFIG.resolve():
+        if str(parent) == EXEMPLAR_CONFIG.name:
             continue  # the exemplar is always the base layer
+        parent_path = (path.parent / str(parent)).resolve()
         merged = OmegaConf.merge(merged, _load_yaml_with_defaults(parent_path, _seen + (path,)))
     return OmegaConf.merge(merged, raw)
 

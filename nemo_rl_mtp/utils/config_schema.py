@@ -1,5 +1,5 @@
 """Types of every config key. Defaults are not here: they live once, in the exemplar YAML
-(``examples/configs/grpo_mtp.yaml``), which also documents each key.
+(``nemo_rl_mtp/configs/grpo_mtp.yaml``), which also documents each key.
 
 A field without a default is MISSING until the exemplar fills it, so a key that the exemplar
 forgets is an error at load time, not a silent default.

@@ -3,7 +3,6 @@ real JSONL / TensorBoard / offline wandb files."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -11,15 +10,12 @@ import pytest
 
 from nemo_rl_mtp.utils.logger import read_metrics
 from nemo_rl_mtp.utils.plot import plot_run
-from tests.helpers import SMALL_GRPO_STEP
+from tests.helpers import SMALL_GRPO_STEP, run_grpo
 from tests.wandb_offline import offline_history
 
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("run_grpo", REPO_ROOT / "examples" / "run_grpo.py")
-run_grpo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run_grpo)
 
 SMALL = SMALL_GRPO_STEP
 MOE_RECIPE = REPO_ROOT / "examples" / "configs" / "grpo_mtp_moe_tiny_cpu.yaml"
@@ -83,12 +79,12 @@ def runs(tmp_path_factory):
     results = {}
     for name, overrides in configs.items():
         argv = [*SMALL, f"grpo.max_num_steps={STEPS}", f"logger.log_dir={log_dir}", f"logger.run_name={name}", *overrides]
-        assert run_grpo.main(argv) == 0, name
+        assert run_grpo(argv) == 0, name
         results[name] = log_dir / name
     # The same hybrid run stopped after its next-to-last step and resumed from its checkpoint.
     for steps in (STEPS - 1, STEPS):
         argv = [*SMALL, f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}", "logger.run_name=hybrid_moe_resumed", *configs["hybrid_moe"]]
-        assert run_grpo.main(argv) == 0, f"hybrid_moe_resumed, {steps} steps"
+        assert run_grpo(argv) == 0, f"hybrid_moe_resumed, {steps} steps"
     results["hybrid_moe_resumed"] = log_dir / "hybrid_moe_resumed"
     yield results
     import ray
@@ -268,7 +264,7 @@ def test_plot_of_a_run(runs, tmp_path):
     ],
 )
 def test_bad_config_is_rejected_before_any_worker(overrides, named, capsys):
-    assert run_grpo.main(overrides) == 2
+    assert run_grpo(overrides) == 2
     assert named in capsys.readouterr().err
 
 
@@ -280,5 +276,5 @@ def test_gpu_recipes_load_and_are_refused_without_gpus(recipe, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
-    assert run_grpo.main(["--config", str(REPO_ROOT / "examples" / "configs" / recipe)]) == 2
+    assert run_grpo(["--config", str(REPO_ROOT / "examples" / "configs" / recipe)]) == 2
     assert "GPU recipe" in capsys.readouterr().err

@@ -4,25 +4,19 @@ the rollouts where auto finds that it pays."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-from pathlib import Path
 
 import pytest
 
 from nemo_rl_mtp.utils.config import load_config
 from nemo_rl_mtp.utils.logger import read_metrics
+from tests.helpers import DEFAULT_RECIPE, run_grpo
 
 pytestmark = pytest.mark.slow
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("run_grpo", REPO_ROOT / "examples" / "run_grpo.py")
-run_grpo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run_grpo)
-
 
 def test_default_recipe_reaches_high_validation_accuracy_with_the_mtp_head_trained(tmp_path):
-    cfg = load_config(run_grpo.DEFAULT_RECIPE)
+    cfg = load_config(DEFAULT_RECIPE)
     argv = [
         f"logger.log_dir={tmp_path}",
         "logger.run_name=learns",
@@ -30,7 +24,7 @@ def test_default_recipe_reaches_high_validation_accuracy_with_the_mtp_head_train
         "logger.wandb_enabled=false",
         "logger.tensorboard_enabled=false",
     ]
-    assert run_grpo.main(argv) == 0
+    assert run_grpo(argv) == 0
     rows = read_metrics(tmp_path / "learns" / "metrics.jsonl")
     assert len(rows) == cfg.grpo.max_num_steps
     validated = [row for row in rows if "val/accuracy" in row]

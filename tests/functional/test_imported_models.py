@@ -6,7 +6,6 @@ resumes its prompt order; bad inputs end in one line before any worker starts.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from safetensors.torch import load_file
 from nemo_rl_mtp.utils.logger import read_metrics
 from tests.functional.test_fault_injection import TIMING_KEYS, _kill_when
 from tests.hf_reference import load_hf_model
-from tests.helpers import SMALL_GRPO_STEP
+from tests.helpers import SMALL_GRPO_STEP, run_grpo
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +27,6 @@ CONFIGS = REPO_ROOT / "examples" / "configs"
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from arithmetic_dataset import write_arithmetic_dataset  # noqa: E402
 from tiny_mimo_checkpoint import write_tiny_mimo_checkpoint  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("run_grpo", REPO_ROOT / "examples" / "run_grpo.py")
-run_grpo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run_grpo)
 
 QUIET = ["logger.wandb_enabled=false", "logger.tensorboard_enabled=false"]
 MATH_STEPS = 4
@@ -81,7 +76,7 @@ def runs(files):
     for name, argv in configs.items():
         if name != "math":
             argv = [*argv, f"logger.log_dir={files['logs']}", f"logger.run_name={name}"]
-        assert run_grpo.main(argv) == 0, name
+        assert run_grpo(argv) == 0, name
     yield {name: files["logs"] / name for name in configs}
     import ray
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
+
+import nemo_rl_mtp
 
 from nemo_rl_mtp.utils.config import ConfigError, load_config
 
@@ -30,6 +34,17 @@ def test_recipe_inherits_through_defaults(tmp_path):
     assert cfg.policy.megatron_cfg.hidden_size == 96  # child wins
     assert cfg.policy.train_micro_batch_size == 8  # override wins
     assert cfg.policy.megatron_cfg.num_layers == load_config().policy.megatron_cfg.num_layers  # exemplar
+
+
+def test_recipe_outside_the_checkout_inherits_the_packaged_exemplar(tmp_path):
+    """``defaults: grpo_mtp.yaml`` names the exemplar the package ships, not a file next to the
+    recipe (there is none in tmp_path, and none in examples/configs either)."""
+    (tmp_path / "recipe.yaml").write_text("defaults: grpo_mtp.yaml\npolicy:\n  megatron_cfg:\n    hidden_size: 96\n")
+    cfg = load_config(tmp_path / "recipe.yaml")
+    assert cfg.policy.megatron_cfg.hidden_size == 96
+    exemplar = OmegaConf.load(Path(nemo_rl_mtp.__file__).parent / "configs" / "grpo_mtp.yaml")
+    assert cfg.policy.megatron_cfg.num_layers == exemplar.policy.megatron_cfg.num_layers
+    assert cfg.grpo.max_num_steps == exemplar.grpo.max_num_steps
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,1 @@
+"""Command-line entry points (``python -m nemo_rl_mtp.cli.<command>``)."""
