@@ -48,17 +48,17 @@ def init_ray(cluster_cfg: ClusterConfig) -> None:
         return
     with driver_sigterm_handler_kept():
         if cluster_cfg.address is None:
-            workers_use_driver_environment()
             logger.info("starting a local Ray instance")
             # "local": a new instance, even where a previous Ray left its address behind.
-            ray.init(address="local", include_dashboard=False, log_to_driver=True)
+            with workers_use_driver_environment():
+                ray.init(address="local", include_dashboard=False, log_to_driver=True)
             logger.info("started a local Ray instance: %s", ray.cluster_resources())
             return
-        runtime_env = None
         if cluster_cfg.worker_python == "driver":
-            workers_use_driver_environment()
-            runtime_env = {"py_executable": sys.executable}
-        ray.init(address=cluster_cfg.address, log_to_driver=True, runtime_env=runtime_env)
+            with workers_use_driver_environment():
+                ray.init(address=cluster_cfg.address, log_to_driver=True, runtime_env={"py_executable": sys.executable})
+        else:
+            ray.init(address=cluster_cfg.address, log_to_driver=True)
     logger.info("joined Ray cluster at %s (workers' Python: %s)", cluster_cfg.address, _worker_python(cluster_cfg))
     check_nodes_start_workers(cluster_cfg)
 
@@ -144,13 +144,16 @@ def driver_sigterm_handler_kept():
             signal.signal(signal.SIGTERM, previous)
 
 
-def workers_use_driver_environment() -> None:
-    """Switch off Ray's ``uv run`` runtime-env hook, so workers start from the driver's
-    interpreter (Ray's documented switch, read by ``ray.init``; idempotent)."""
+@contextlib.contextmanager
+def workers_use_driver_environment():
+    """Around ``ray.init``: Ray's ``uv run`` runtime-env hook switched off, so workers start from
+    the driver's interpreter (Ray's documented switch), and put back afterwards."""
     from nemo_rl_mtp.distributed import ray_compat
 
-    if ray_compat.uv_hook_enabled() and ray_compat.disable_uv_hook():
-        logger.info("Ray workers start from this interpreter (%s); Ray's uv run hook is off", sys.executable)
+    with ray_compat.uv_hook_disabled() as switched:
+        if switched:
+            logger.info("Ray workers start from this interpreter (%s); Ray's uv run hook is off", sys.executable)
+        yield
 
 
 def local_ray_processes_alive() -> bool:

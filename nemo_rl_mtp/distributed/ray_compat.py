@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections import defaultdict
 from typing import Iterator
 
@@ -30,18 +29,25 @@ def uv_hook_enabled() -> bool:
     return bool(getattr(ray_constants, UV_HOOK_SWITCH, False))
 
 
-def disable_uv_hook() -> bool:
-    """Switch Ray's ``uv run`` hook off for this driver (idempotent); False where this Ray has no
-    such switch (then it has no hook to switch off either, and workers start from the node's
-    Python)."""
+@contextlib.contextmanager
+def uv_hook_disabled() -> Iterator[bool]:
+    """Ray's ``uv run`` hook off while the block runs, then put back as it was: ``ray.init`` is
+    the one place Ray reads the switch, so wrap it alone. A process that starts Ray twice (tests,
+    a notebook) then gets what each start asks for; the switch set for good would leak into later
+    starts and into the environment of their subprocesses. Yields False where this Ray has no such
+    switch (then it has no hook to switch off either, and workers start from the node's Python)."""
     from ray._private import ray_constants
 
-    os.environ[UV_HOOK_SWITCH] = "0"
     if not hasattr(ray_constants, UV_HOOK_SWITCH):
         logger.warning("Ray %s has no %s switch: assuming it has no uv run hook", _ray_version(), UV_HOOK_SWITCH)
-        return False
+        yield False
+        return
+    previous = getattr(ray_constants, UV_HOOK_SWITCH)
     setattr(ray_constants, UV_HOOK_SWITCH, False)
-    return True
+    try:
+        yield True
+    finally:
+        setattr(ray_constants, UV_HOOK_SWITCH, previous)
 
 
 @contextlib.contextmanager

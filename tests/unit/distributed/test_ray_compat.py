@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from ray._private import ray_constants, ray_logging
 
 from nemo_rl_mtp.distributed import ray_compat
@@ -24,14 +25,19 @@ def test_without_the_dispatcher_node_failures_are_reported_without_cause(monkeyp
     assert lines == {} and "forwards no log lines this driver can read" in caplog.text
 
 
-def test_the_uv_hook_switch_is_turned_off_and_its_absence_is_logged(monkeypatch, caplog):
+def test_the_uv_hook_switch_is_off_within_the_block_only_and_its_absence_is_logged(monkeypatch, caplog):
+    """Off for the block, then as it was: a driver that starts Ray again (tests run many in one
+    process) with Ray's uv integration must find it on."""
     monkeypatch.setattr(ray_constants, ray_compat.UV_HOOK_SWITCH, True)
-    monkeypatch.setenv(ray_compat.UV_HOOK_SWITCH, "1")
-    assert ray_compat.uv_hook_enabled() and ray_compat.disable_uv_hook()
-    assert not ray_compat.uv_hook_enabled()
+    with ray_compat.uv_hook_disabled() as switched:
+        assert switched and not ray_compat.uv_hook_enabled()
+    assert ray_compat.uv_hook_enabled()
+    with pytest.raises(RuntimeError), ray_compat.uv_hook_disabled():
+        raise RuntimeError("ray.init failed")
+    assert ray_compat.uv_hook_enabled()
     monkeypatch.delattr(ray_constants, ray_compat.UV_HOOK_SWITCH)
-    with caplog.at_level(logging.WARNING):
-        assert not ray_compat.disable_uv_hook()
+    with caplog.at_level(logging.WARNING), ray_compat.uv_hook_disabled() as switched:
+        assert not switched
     assert "has no RAY_ENABLE_UV_RUN_RUNTIME_ENV switch" in caplog.text
 
 
