@@ -233,8 +233,11 @@ def test_positional_tensor_shim_keeps_non_tensors_out_of_the_checkpoint():
 @pytest.mark.skipif(UPSTREAM_DERIVES_RL_LABELS, reason="the release derives RL labels itself")
 def test_without_the_rl_labels_shim_mtp_silently_does_not_train(monkeypatch):
     """Reproduce the silent failure on the real release (shim taken out): no loss, no gradient.
-    0.16 crashes instead."""
-    policy, cfg = make_policy(megatron_cfg__mtp_num_layers=2, train_micro_batch_size=2, train_global_batch_size=8)
+    0.16 crashes instead. megatron's own loss (cross_entropy): a loss on the policy's distribution
+    fails earlier, at the forward whose MTP depths never reached it."""
+    policy, cfg = make_policy(
+        megatron_cfg__mtp_num_layers=2, megatron_cfg__mtp_loss_type="cross_entropy", train_micro_batch_size=2, train_global_batch_size=8
+    )
     monkeypatch.setattr(gpt_model.GPTModel, "_postprocess", gpt_model.GPTModel._postprocess.original)
     if is_shim(getattr(gpt_model, "process_mtp_loss", None)):
         monkeypatch.setattr(gpt_model, "process_mtp_loss", gpt_model.process_mtp_loss.original)
