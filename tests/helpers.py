@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from nemo_rl_mtp.data.demonstrations import demonstration_batch
+from nemo_rl_mtp.environments.digit_tasks import answer_ids, expected_answer, prompt_ids
 from nemo_rl_mtp.utils.config import load_config
 from tests.synthetic import synthetic_rl_batch
 
@@ -170,3 +172,10 @@ def forward_logits(policy, tokens: torch.Tensor, loss_mask: torch.Tensor | None)
         weight = weight.detach()
     depths = captured[0].chunk(1 + model.config.mtp_num_layers, dim=0)[1:]
     return logits, [model.output_layer(hidden, weight=weight)[0].transpose(0, 1) for hidden in depths]
+
+
+def task_demonstrations(task: str, digit_prompts: list[list[int]], tokenizer) -> dict[str, torch.Tensor]:
+    """``demonstration_batch`` of a digit task: its prompts and correct answers."""
+    prompts = [prompt_ids(task, digits, tokenizer) for digits in digit_prompts]
+    answers = [answer_ids(expected_answer(task, digits), tokenizer) for digits in digit_prompts]
+    return demonstration_batch(prompts, answers, tokenizer.pad_id)

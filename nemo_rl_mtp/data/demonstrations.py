@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from nemo_rl_mtp.data.interfaces import TaskPrompt
-from nemo_rl_mtp.environments.digit_tasks import answer_ids, expected_answer, prompt_ids
 
 
 def demonstration_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -33,13 +32,6 @@ def prompt_demonstrations(prompts: list[TaskPrompt], pad_id: int) -> dict[str, t
     if missing:
         raise ValueError(f"{missing} of {len(prompts)} prompts have no demonstration (a correct response) to imitate")
     return demonstration_batch([prompt.prompt_ids for prompt in prompts], [prompt.demonstration_ids for prompt in prompts], pad_id)
-
-
-def task_demonstrations(task: str, digit_prompts: list[list[int]], tokenizer) -> dict[str, torch.Tensor]:
-    """``demonstration_batch`` of a digit task: its prompts and correct answers."""
-    prompts = [prompt_ids(task, digits, tokenizer) for digits in digit_prompts]
-    answers = [answer_ids(expected_answer(task, digits), tokenizer) for digits in digit_prompts]
-    return demonstration_batch(prompts, answers, tokenizer.pad_id)
 
 
 def warmup_tasks(task: str, distractor_task: str | None, distractor_fraction: float, count: int, generator: torch.Generator) -> list[str]:

@@ -23,12 +23,6 @@ logger = logging.getLogger(__name__)
 UV_HOOK_SWITCH = "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
 
 
-def uv_hook_enabled() -> bool:
-    from ray._private import ray_constants
-
-    return bool(getattr(ray_constants, UV_HOOK_SWITCH, False))
-
-
 @contextlib.contextmanager
 def uv_hook_disabled() -> Iterator[bool]:
     """Ray's ``uv run`` hook off while the block runs, then put back as it was: ``ray.init`` is

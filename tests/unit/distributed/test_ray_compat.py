@@ -30,11 +30,11 @@ def test_the_uv_hook_switch_is_off_within_the_block_only_and_its_absence_is_logg
     process) with Ray's uv integration must find it on."""
     monkeypatch.setattr(ray_constants, ray_compat.UV_HOOK_SWITCH, True)
     with ray_compat.uv_hook_disabled() as switched:
-        assert switched and not ray_compat.uv_hook_enabled()
-    assert ray_compat.uv_hook_enabled()
+        assert switched and not getattr(ray_constants, ray_compat.UV_HOOK_SWITCH)
+    assert getattr(ray_constants, ray_compat.UV_HOOK_SWITCH)
     with pytest.raises(RuntimeError), ray_compat.uv_hook_disabled():
         raise RuntimeError("ray.init failed")
-    assert ray_compat.uv_hook_enabled()
+    assert getattr(ray_constants, ray_compat.UV_HOOK_SWITCH)
     monkeypatch.delattr(ray_constants, ray_compat.UV_HOOK_SWITCH)
     with caplog.at_level(logging.WARNING), ray_compat.uv_hook_disabled() as switched:
         assert not switched

@@ -2,8 +2,7 @@ import pytest
 import torch
 
 from nemo_rl_mtp.algorithms.imitation import imitation_step
-from nemo_rl_mtp.data.demonstrations import task_demonstrations
-from tests.helpers import make_policy
+from tests.helpers import make_policy, task_demonstrations
 from tests.unit.models.generation.engine_cases import SIZES, TOKENIZER, engine_overrides
 
 

@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from nemo_rl_mtp.algorithms.imitation import IMITATION_LOSS, imitation_step
-from nemo_rl_mtp.data.demonstrations import task_demonstrations
 from nemo_rl_mtp.models.generation import engine_compat
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.models.generation.speculation import speculation_metrics
 from nemo_rl_mtp.models.megatron.inference import compute_logprobs
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
-from tests.helpers import VOCAB_SIZE, make_policy, recompute_sampler, response_mask, tiny_config
+from tests.helpers import VOCAB_SIZE, make_policy, recompute_sampler, response_mask, task_demonstrations, tiny_config
 from tests.unit.models.generation.engine_cases import PROMPTS, SIZES, TOKENIZER, drafts_where_possible, engine_overrides, requires_speculation
 from tests.unit.models.generation.engine_cases import generate as _generate
 

@@ -14,12 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from nemo_rl_mtp.algorithms.imitation import imitation_step
-from nemo_rl_mtp.data.demonstrations import task_demonstrations
 from nemo_rl_mtp.data.tokenizer import load_tokenizer
 from nemo_rl_mtp.models.megatron import hf_checkpoint
 from nemo_rl_mtp.utils.config import ConfigError, load_config, resolve_checkpoint_keys
+from tests.helpers import eval_forward_logits, task_demonstrations
 from tests.hf_reference import hf_greedy, hf_logits, load_hf_model
-from tests.helpers import eval_forward_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
