@@ -360,6 +360,8 @@ def _validate_grpo(cfg: DictConfig) -> None:
         generation.max_new_tokens,
         f"leaves no room for a prompt in policy.max_total_sequence_length={policy.max_total_sequence_length}",
     )
+    if policy.model_name is not None:
+        _check_bridge_imports(policy.model_name)
     if megatron.mtp_num_layers is None:  # from the checkpoint: checked again once resolved
         return
     _validate_speculation(generation)
@@ -537,6 +539,16 @@ def _check_installed_release(policy) -> None:
         raise
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _check_bridge_imports(model_name: str) -> None:
+    """An imported checkpoint goes through megatron-bridge, which does not import on every
+    megatron-core release: refused in one line here rather than when the driver opens it."""
+    from nemo_rl_mtp.models.megatron.compat.megatron_bridge import bridge_unavailable
+
+    reason = bridge_unavailable()
+    if reason is not None:
+        raise ConfigError(f"policy.model_name={model_name}: {reason}; build the model from scratch (policy.model_name=null) or use megatron-core >= 0.18")
 
 
 def _require_in_range(key: str, value, lowest, lowest_allowed: bool, highest, highest_allowed: bool) -> None:

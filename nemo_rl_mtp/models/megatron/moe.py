@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import logging
 
@@ -68,9 +69,13 @@ def moe_config_kwargs(megatron_cfg) -> dict:
     return kwargs
 
 
+# megatron-core's MoE metrics tracker (0.18 on), from which a step reads the load-balancing loss.
+MOE_METRICS_MODULE = "megatron.core.transformer.moe.moe_logging"
+
+
 def check_moe_supported(megatron_cfg) -> None:
     """Raise ValueError, one line naming the key and the release, where the installed megatron-core
-    cannot run the configured MoE trunk: before 0.19 its schedule reads no ``moe_grad_scale_func``
+    cannot run the configured MoE trunk: before 0.18 it has no MoE metrics tracker; before 0.19 its schedule reads no ``moe_grad_scale_func``
     (the load-balancing loss cannot be normalised), or the router's private names the global load
     statistics reach are gone or changed (:func:`router_names_changed`)."""
     from megatron.core.pipeline_parallel import schedules
@@ -79,6 +84,14 @@ def check_moe_supported(megatron_cfg) -> None:
 
     if not megatron_cfg.num_moe_experts:
         return
+    try:
+        importlib.import_module(MOE_METRICS_MODULE)
+    except ModuleNotFoundError:
+        raise ValueError(
+            f"policy.megatron_cfg.num_moe_experts={megatron_cfg.num_moe_experts}: megatron-core {megatron_core_version()} "
+            "has no MoE metrics tracker (megatron.core.transformer.moe.moe_logging), from which a training step reads "
+            "the routers' load-balancing loss; set it to 0 or use megatron-core >= 0.18"
+        ) from None
     if megatron_cfg.moe_aux_loss_coeff > 0 and not hasattr(schedules, "_get_moe_loss_scale"):
         raise ValueError(
             f"policy.megatron_cfg.moe_aux_loss_coeff={megatron_cfg.moe_aux_loss_coeff}: megatron-core "
@@ -226,7 +239,7 @@ def get_moe_metrics(config, num_microbatches: int, global_statistics: bool) -> d
     ``moe/<name>``; the tracker is reset. Collective over all ranks. {} without MoE."""
     if not moe_enabled(config):
         return {}
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    get_moe_metrics_tracker = importlib.import_module(MOE_METRICS_MODULE).get_moe_metrics_tracker
 
     losses: dict[str, torch.Tensor] = {}
     # The tracker averages over data parallel; a sum of shares is undone from that average.

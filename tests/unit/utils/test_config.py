@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 import nemo_rl_mtp
 
 from nemo_rl_mtp.utils.config import ConfigError, load_config
+from tests.release_gates import requires_megatron_bridge
 
 
 def test_exemplar_loads_and_is_read_only():
@@ -134,6 +135,7 @@ def test_the_deepest_mtp_layer_that_can_get_a_target_is_accepted():
     assert load_config(overrides=["policy.megatron_cfg.mtp_num_layers=9"]).policy.megatron_cfg.mtp_num_layers == 9
 
 
+@requires_megatron_bridge()
 def test_with_a_checkpoint_the_mtp_layer_count_waits_for_it_unless_set():
     """The driver fills in the checkpoint's count (resolve_checkpoint_keys); one set is checked against it."""
     assert load_config(overrides=["policy.model_name=x"]).policy.megatron_cfg.mtp_num_layers is None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import importlib
+import importlib.metadata
 import logging
 import sys
 
@@ -58,6 +59,22 @@ def import_megatron_bridge():
         logger.info("megatron-bridge: %s imports transformer_engine, which is absent; shown an inert stand-in (te_stand_in)", LORA_MODULE)
     apply_mtp_norm_alias()
     return bridge
+
+
+def bridge_unavailable() -> str | None:
+    """Why megatron-bridge cannot serve the installed megatron-core (None: it imports). megatron-
+    bridge 0.6.2 imports names that megatron-core 0.17 and earlier lack (``_rank_utils.
+    safe_get_world_size``); such a release gets one line naming both, before any worker starts."""
+    try:
+        import_megatron_bridge()
+    except ImportError as error:
+        from nemo_rl_mtp.models.megatron.compat import megatron_core_version
+
+        return (
+            f"megatron-bridge {importlib.metadata.version('megatron-bridge')} does not import on megatron-core "
+            f"{megatron_core_version()} ({error})"
+        )
+    return None
 
 
 @contextlib.contextmanager

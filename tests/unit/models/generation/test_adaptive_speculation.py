@@ -12,6 +12,7 @@ from nemo_rl_mtp.models.generation.adaptive_speculation import AdaptiveSpeculati
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from nemo_rl_mtp.utils.config import ConfigError
 from tests.helpers import make_policy, recompute_sampler, tiny_config
+from tests.release_gates import on_this_release
 from tests.unit.models.generation.engine_cases import PROMPTS, TOKENIZER, engine_overrides, generate, requires_speculation, speculation_skip_reason
 
 COUNTS_NONE = {"draft_proposed": torch.zeros(0, dtype=torch.long), "draft_accepted": torch.zeros(0, dtype=torch.long)}
@@ -169,7 +170,7 @@ def test_the_trainers_forecast_reaches_the_next_choice():
 
 
 @pytest.mark.skipif(
-    speculation_skip_reason() is None, reason="the installed engine speculates; auto without speculation runs on a release without it (0.16)"
+    speculation_skip_reason() is None, reason=on_this_release("its engine speculates; auto without speculation runs on a release without it (0.16)")
 )
 @pytest.mark.usefixtures("megatron_world")
 def test_auto_on_an_engine_without_speculation_chooses_no_drafts_and_a_number_is_refused(caplog):

@@ -15,6 +15,7 @@ from nemo_rl_mtp.models.generation.speculation import speculation_metrics
 from nemo_rl_mtp.models.megatron.inference import compute_logprobs
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from tests.helpers import VOCAB_SIZE, make_policy, recompute_sampler, response_mask, task_demonstrations, tiny_config
+from tests.release_gates import on_this_release
 from tests.unit.models.generation.engine_cases import PROMPTS, SIZES, TOKENIZER, drafts_where_possible, engine_overrides, requires_speculation
 from tests.unit.models.generation.engine_cases import generate as _generate
 
@@ -97,7 +98,7 @@ def test_rollouts_and_engine_builds_leave_the_flag_and_every_modules_mode_as_the
     k) hand both back as they found them, not forced to train mode and a cleared flag."""
     flag = engine_compat.inference_mode_flag()
     if flag_before and flag is None:
-        pytest.skip("this megatron-core release has no InferenceMode flag (before 0.18: eval mode is the flag)")
+        pytest.skip(on_this_release("no InferenceMode flag (before 0.18: eval mode is the flag)"))
     k = drafts_where_possible(1)
     policy, _, engine = _policy(k)
     policy.model.eval()

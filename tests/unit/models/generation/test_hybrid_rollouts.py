@@ -10,9 +10,9 @@ import torch
 from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine
 from tests.helpers import make_policy, tiny_config
 from tests.unit.models.generation.engine_cases import SIZES, engine_overrides, generate
-from tests.unit.models.megatron.test_hybrid_model import HYBRID, copy_gpt_weights, hybrid_pattern
+from tests.unit.models.megatron.test_hybrid_model import HYBRID, copy_gpt_weights, hybrid_model, hybrid_pattern
 
-pytestmark = pytest.mark.usefixtures("megatron_world")
+pytestmark = [pytest.mark.usefixtures("megatron_world"), hybrid_model]
 
 
 @pytest.mark.parametrize("sampling", [{"generation__top_k": 1}, {"generation__temperature": 1.0}], ids=["greedy", "sampled"])
@@ -33,3 +33,6 @@ def test_rollouts_with_speculation_are_the_same_over_gpt_and_hybrid_models(train
     assert gpt_rollouts.keys() == hybrid_rollouts.keys()
     for key, value in gpt_rollouts.items():
         torch.testing.assert_close(hybrid_rollouts[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+

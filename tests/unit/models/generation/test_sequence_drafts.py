@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.release_gates import on_this_release
 from tests.unit.models.generation.engine_cases import skip_module_without_speculation
 
 skip_module_without_speculation()
@@ -159,7 +160,7 @@ def test_megatrons_draft_step_misses_training_acceptance_while_upstream_lacks_co
     because its drafts see no context; gated on the probe of that defect, so an upstream fix
     skips this control, saying so, rather than failing the suite."""
     if not upstream_draft_step_misses_context(trained_policy):
-        pytest.skip("megatron's draft step now sees the request's context (upstream fixed): single_position is no longer a control")
+        pytest.skip(on_this_release("megatron's draft step sees the request's context (upstream fixed): single_position is no longer a control"))
     measured, expected = _acceptance_against_training(trained_policy, "single_position")
     assert measured != expected
 

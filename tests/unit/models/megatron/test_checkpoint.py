@@ -26,9 +26,11 @@ def test_a_save_spawns_no_manager_process_and_leaves_megatrons_queue_unset(tmp_p
     save_policy(policy, tmp_path / "step_000001")
     assert filesystem_async._results_queue is None  # put back: an async save gets megatron's own queue
     monkeypatch.undo()
+    # 0.16 names it _get_write_results_queue
+    megatrons_queue = getattr(filesystem_async, "get_write_results_queue", None) or filesystem_async._get_write_results_queue
     with pytest.raises(AssertionError, match="Manager"):  # control: megatron's queue would have needed one
         monkeypatch.setattr(multiprocessing.context.BaseContext, "Manager", no_manager)
-        filesystem_async.get_write_results_queue()
+        megatrons_queue()
 
 
 def test_model_weights_load_from_a_policy_checkpoint(tmp_path):

@@ -19,6 +19,7 @@ from nemo_rl_mtp.models.megatron.compat._marks import is_shim
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from nemo_rl_mtp.models.policy.megatron_policy_worker import MegatronPolicyWorker
 from tests.helpers import make_batch, make_policy, mtp_parameter_names
+from tests.release_gates import on_this_release
 from tests.unit.models.megatron.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
@@ -54,7 +55,7 @@ def _release() -> str:
     return ".".join(compat.megatron_core_version().split(".")[:2])
 
 
-@pytest.mark.skipif(_release() not in SHIMS_NEEDED, reason="a release outside the measured matrix")
+@pytest.mark.skipif(_release() not in SHIMS_NEEDED, reason=on_this_release("a release outside the measured matrix"))
 def test_shims_match_what_the_release_needs_and_log_it(caplog):
     with caplog.at_level(logging.INFO, logger=compat.__name__):
         outcomes = {outcome.name: outcome for outcome in compat.apply_mtp_compat_shims()}
@@ -173,15 +174,15 @@ def test_installing_a_shim_twice_installs_it_once(name):
     assert shim.is_applied() == was_installed
 
 
-@pytest.mark.skipif(UPSTREAM_LACKS_PADDING_MASK, reason="checks releases whose _checkpointed_forward is fine")
+@pytest.mark.skipif(UPSTREAM_LACKS_PADDING_MASK, reason=on_this_release("its _checkpointed_forward rejects padding_mask (the 0.18 defect, tested below)"))
 def test_padding_mask_shim_is_not_installed_where_declared():
     if "forward_func" in _upstream_checkpointed_forward_parameters():
-        pytest.skip("0.14-0.17 signature: handled by the positional-tensor shim")
+        pytest.skip(on_this_release("the 0.14-0.17 _checkpointed_forward signature, handled by the positional-tensor shim"))
     assert "padding_mask" in inspect.signature(MultiTokenPredictionLayer._checkpointed_forward).parameters
     assert not is_shim(MultiTokenPredictionLayer._checkpointed_forward)
 
 
-@pytest.mark.skipif(not UPSTREAM_LACKS_PADDING_MASK, reason="0.18.x only")
+@pytest.mark.skipif(not UPSTREAM_LACKS_PADDING_MASK, reason=on_this_release("its _checkpointed_forward has no 0.18 padding_mask defect"))
 def test_upstream_0_18_checkpointed_forward_rejects_padding_mask():
     """The bug itself, on the real release: forward passes padding_mask, the method refuses it."""
     compat.apply_mtp_compat_shims()
@@ -190,7 +191,7 @@ def test_upstream_0_18_checkpointed_forward_rejects_padding_mask():
         upstream(object(), hidden_states=None, decoder_input=None, padding_mask=None)
 
 
-@pytest.mark.skipif(not UPSTREAM_LACKS_PADDING_MASK, reason="0.18.x only")
+@pytest.mark.skipif(not UPSTREAM_LACKS_PADDING_MASK, reason=on_this_release("its _checkpointed_forward has no 0.18 padding_mask defect"))
 def test_padding_mask_shim_is_installed_on_the_0_18_release():
     compat.apply_mtp_compat_shims()
     method = MultiTokenPredictionLayer._checkpointed_forward
@@ -230,7 +231,7 @@ def test_positional_tensor_shim_keeps_non_tensors_out_of_the_checkpoint():
     assert result[0] is hidden and result[1] is None and result[2] is params and torch.equal(result[3], torch.zeros(1))
 
 
-@pytest.mark.skipif(UPSTREAM_DERIVES_RL_LABELS, reason="the release derives RL labels itself")
+@pytest.mark.skipif(UPSTREAM_DERIVES_RL_LABELS, reason=on_this_release("derives RL labels itself"))
 def test_without_the_rl_labels_shim_mtp_silently_does_not_train(monkeypatch):
     """Reproduce the silent failure on the real release (shim taken out): no loss, no gradient.
     0.16 crashes instead. megatron's own loss (cross_entropy): a loss on the policy's distribution
@@ -252,7 +253,7 @@ def test_without_the_rl_labels_shim_mtp_silently_does_not_train(monkeypatch):
     assert all(policy.model.module.get_parameter(name).main_grad.abs().max() == 0 for name in mtp_parameter_names(policy))
 
 
-@pytest.mark.skipif(not UPSTREAM_DERIVES_RL_LABELS, reason="no native process_mtp_loss with RL labels to compare with (megatron-core < 0.19)")
+@pytest.mark.skipif(not UPSTREAM_DERIVES_RL_LABELS, reason=on_this_release("no native process_mtp_loss with RL labels to compare with (megatron-core < 0.19)"))
 @pytest.mark.parametrize("loss_type, packed", [("cross_entropy", False), ("total_variation", True)])
 def test_rl_labels_backport_equals_native_process_mtp_loss(monkeypatch, loss_type, packed):
     """The back-port that 0.16-0.18 run in place of ``process_mtp_loss``, run on this release in

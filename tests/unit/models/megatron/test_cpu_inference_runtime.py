@@ -10,10 +10,14 @@ import textwrap
 
 import pytest
 import torch
-from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch, text_generation_controller
+from megatron.core.inference.text_generation_controllers import text_generation_controller
 from megatron.core.transformer import attention
 
 from nemo_rl_mtp.models.megatron import cpu_inference_runtime, paged_attention, speculative_kernels
+from tests.release_gates import import_or_skip
+
+# The speculative kernels' CPU stand-ins these tests name (megatron-core >= 0.18).
+mtp_utils_pytorch = import_or_skip("megatron.core.inference.text_generation_controllers.mtp_utils_pytorch", "speculative decoding's PyTorch kernels")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only adaptation")
 

@@ -19,12 +19,13 @@ from nemo_rl_mtp.models.megatron import hf_checkpoint
 from nemo_rl_mtp.utils.config import ConfigError, load_config, resolve_checkpoint_keys
 from tests.helpers import eval_forward_logits, task_demonstrations
 from tests.hf_reference import hf_greedy, hf_logits, load_hf_model
+from tests.release_gates import requires_megatron_bridge
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from tiny_mimo_checkpoint import write_tiny_mimo_checkpoint  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("megatron_world")
+pytestmark = [pytest.mark.usefixtures("megatron_world"), requires_megatron_bridge()]
 TOKENS = torch.tensor([[1, 12, 40, 7, 99, 200, 3, 17, 55, 8, 140, 2], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]])
 
 

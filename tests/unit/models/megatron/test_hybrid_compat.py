@@ -8,16 +8,20 @@ import sys
 
 import pytest
 import torch
-from megatron.core.models.hybrid import hybrid_block
-from megatron.core.transformer import transformer_block
-from megatron.core.transformer.moe.router import Router, TopKRouter
 
-from nemo_rl_mtp.models.megatron import hybrid, setup
-from nemo_rl_mtp.models.megatron.compat import hybrid_final_norm, hybrid_mtp_padding, hybrid_mtp_router
-from nemo_rl_mtp.models.megatron.compat._marks import is_shim
-from nemo_rl_mtp.models.megatron.data import causal_attention_mask
-from tests.helpers import make_batch, make_policy
-from tests.unit.models.megatron.test_hybrid_model import HYBRID, MOE_EXPERTS, STEP, drained_mtp_tracker, hybrid_pattern  # noqa: F401 (autouse)
+from tests.release_gates import import_or_skip
+
+hybrid_block = import_or_skip("megatron.core.models.hybrid.hybrid_block", "HybridModel")
+
+from megatron.core.transformer import transformer_block  # noqa: E402
+from megatron.core.transformer.moe.router import Router, TopKRouter  # noqa: E402
+
+from nemo_rl_mtp.models.megatron import hybrid, setup  # noqa: E402
+from nemo_rl_mtp.models.megatron.compat import hybrid_final_norm, hybrid_mtp_padding, hybrid_mtp_router  # noqa: E402
+from nemo_rl_mtp.models.megatron.compat._marks import is_shim  # noqa: E402
+from nemo_rl_mtp.models.megatron.data import causal_attention_mask  # noqa: E402
+from tests.helpers import make_batch, make_policy  # noqa: E402
+from tests.unit.models.megatron.test_hybrid_model import HYBRID, MOE_EXPERTS, STEP, drained_mtp_tracker, hybrid_model, hybrid_pattern  # noqa: F401, E402 (autouse)
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
@@ -28,6 +32,7 @@ def hybrid_policy(mtp_num_layers: int = 1, moe: bool = False, **overrides):
     return make_policy(**STEP, **HYBRID, **experts, megatron_cfg__mtp_num_layers=mtp_num_layers, megatron_cfg__hybrid_layer_pattern=pattern, **overrides)
 
 
+@hybrid_model
 def test_final_norm_stand_in_is_there_for_the_build_only_and_nests(caplog):
     """No transformer_engine here: HybridStack's TENorm cannot build, so the stand-in is TransformerBlock's
     final norm class for the duration, put back after, not re-wrapped by a nested build."""
@@ -66,6 +71,7 @@ def test_final_norm_stand_in_stays_off_where_upstream_builds_and_is_loud_when_it
         hybrid_final_norm.probe(config)
 
 
+@hybrid_model
 def test_mtp_block_gets_the_forwards_padding_mask_once_hooked(caplog):
     """An MoE layer in the MTP pattern: HybridModel.forward leaves the padding mask out of its MTP
     call; the hook hands it over (hooking again adds nothing). A dense MTP pattern needs none."""
@@ -93,6 +99,7 @@ def test_mtp_block_gets_the_forwards_padding_mask_once_hooked(caplog):
     assert len(seen) == 1 and seen[0] is padding_mask
 
 
+@hybrid_model
 def test_padding_hook_is_loud_where_the_mtp_block_takes_no_padding_mask(monkeypatch):
     policy, _ = hybrid_policy(moe=True)
     model = policy.model.module
@@ -106,6 +113,7 @@ def test_padding_hook_is_loud_where_the_mtp_block_takes_no_padding_mask(monkeypa
         hybrid_mtp_padding.pass_padding_mask_to_mtp(model)
 
 
+@hybrid_model
 def test_mtp_routers_are_marked_as_gpts_are_once_and_loud_without_their_attributes(monkeypatch):
     """A repeated MTP layer with experts: HybridStack builds its router as a decoder router; after
     the build it is an MTP router numbered as its MTP layer (GPTModel's: 1), once."""
@@ -122,6 +130,7 @@ def test_mtp_routers_are_marked_as_gpts_are_once_and_loud_without_their_attribut
         hybrid_mtp_router.unmarked_mtp_routers(model)
 
 
+@hybrid_model
 def test_a_release_without_hybrid_model_is_refused_in_one_line(monkeypatch):
     hybrid.check_hybrid_supported()  # the installed release has it
     monkeypatch.setitem(sys.modules, "megatron.core.models.hybrid.hybrid_model", None)

@@ -10,6 +10,9 @@ import sys
 import pytest
 
 from nemo_rl_mtp.models.megatron.compat import megatron_bridge as compat
+from tests.release_gates import requires_megatron_bridge
+
+pytestmark = requires_megatron_bridge()
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +72,14 @@ def test_importing_the_bridge_leaves_the_root_logger_as_it_was():
     with compat.root_logging_kept():
         logging.basicConfig(level=logging.INFO)  # what megatron.training's import does
     assert (list(root.handlers), root.level) == before
+
+
+def test_a_release_the_bridge_does_not_import_on_is_refused_at_config_load_in_one_line(monkeypatch):
+    """megatron-core 0.16 and 0.17 (megatron-bridge 0.6.2 imports names they lack), simulated by
+    an import that fails on the installed release."""
+    from nemo_rl_mtp.utils.config import ConfigError, load_config
+
+    monkeypatch.setitem(sys.modules, "megatron.bridge", None)
+    with pytest.raises(ConfigError, match=r"^policy.model_name=x: megatron-bridge \S+ does not import on megatron-core \S+ \(.*\); build the model from scratch") as error:
+        load_config(overrides=["policy.model_name=x"])
+    assert "\n" not in str(error.value)

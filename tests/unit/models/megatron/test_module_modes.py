@@ -8,6 +8,7 @@ import pytest
 from nemo_rl_mtp.models.megatron.inference import compute_logprobs
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
 from tests.helpers import make_batch, make_policy
+from tests.release_gates import requires_config
 from tests.unit.models.megatron.test_mtp_training_step import BALANCED_RESPONSES, PG_LOSS
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
@@ -26,6 +27,7 @@ def _modes(policy) -> dict[str, bool]:
     return {name: module.training for name, module in policy.model.named_modules()}
 
 
+@requires_config(**MOE_GLOBAL_BATCH)
 def test_eval_passes_restore_each_modules_mode():
     """A mixed state (the trunk in eval mode, the MTP block training) comes back unchanged from
     the logprobs pass and from a training step's routing pass (forcing train() would put the

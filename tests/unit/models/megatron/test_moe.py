@@ -5,6 +5,7 @@ MTP losses."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -12,11 +13,14 @@ import torch
 from nemo_rl_mtp.models.megatron import moe
 from nemo_rl_mtp.models.megatron.data import Microbatch
 from tests.helpers import make_batch, make_policy
+from tests.release_gates import requires_config
 from tests.unit.models.megatron.test_mtp_training_step import BALANCED_RESPONSES, PG_LOSS, run_step, zero_policy_loss
 
-pytestmark = pytest.mark.usefixtures("megatron_world")
-
 MOE = {"megatron_cfg__num_moe_experts": 4, "megatron_cfg__moe_router_topk": 2, "megatron_cfg__mtp_num_layers": 1}
+# An MoE trunk (megatron-core >= 0.18: earlier releases have no MoE metrics tracker).
+pytestmark = [pytest.mark.usefixtures("megatron_world"), requires_config(**MOE, megatron_cfg__moe_aux_loss_coeff=0.0)]
+# The load-balancing loss, which releases without the schedule's moe_grad_scale_func refuse.
+load_balancing_loss = requires_config(**MOE, megatron_cfg__moe_aux_loss_coeff=0.1)
 
 
 def _doubled(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -44,17 +48,20 @@ def _steps_per_micro_batch_size(batch: dict[str, torch.Tensor], micro_batch_size
     return results
 
 
-def test_moe_trunk_and_moe_mtp_layer_train():
-    policy, cfg = make_policy(**MOE, train_micro_batch_size=4, train_global_batch_size=8)
+@pytest.mark.parametrize("aux_loss_coeff", [0.0, pytest.param(0.01, marks=load_balancing_loss)])
+def test_moe_trunk_and_moe_mtp_layer_train(aux_loss_coeff):
+    """Without the load-balancing loss (megatron-core >= 0.18), and with it (>= 0.19)."""
+    policy, cfg = make_policy(**MOE, megatron_cfg__moe_aux_loss_coeff=aux_loss_coeff, train_micro_batch_size=4, train_global_batch_size=8)
     names = [name for name, _ in policy.model.module.named_parameters()]
     assert any(name.startswith("decoder.") and ".mlp.experts." in name for name in names)
     assert any(name.startswith("mtp.") and ".mlp.experts." in name for name in names)  # MoE MTP layer
     metrics, grads = run_step(policy, cfg, make_batch(BALANCED_RESPONSES), PG_LOSS)
     assert metrics["mtp/mtp_1_loss"] > 0 and metrics["mtp/grad_norm"] > 0
-    assert metrics["moe/load_balancing_loss"] > 0
+    assert (metrics.get("moe/load_balancing_loss", 0.0) > 0) == (aux_loss_coeff > 0)
     assert all(grad.abs().sum() > 0 for grad in _router_gradients(grads).values())
 
 
+@load_balancing_loss
 def test_load_balancing_gradient_does_not_grow_with_the_batch(monkeypatch):
     """Policy loss off, MTP loss off: the router gradient is the load-balancing loss's alone. The
     same batch twice over must give the same gradient, as it does for the policy loss. megatron's
@@ -75,6 +82,7 @@ def test_load_balancing_gradient_does_not_grow_with_the_batch(monkeypatch):
     assert ratio > 10, f"megatron's own scaling gave {ratio:.1f}x the normalised gradient"
 
 
+@load_balancing_loss
 @pytest.mark.parametrize("load_balancing", ["aux_loss", "seq_aux_loss"])
 def test_one_microbatch_or_two_give_the_same_gradients_with_load_balancing(load_balancing):
     """A global batch of two identical halves, as one microbatch or two: policy, MTP and
@@ -88,6 +96,7 @@ def test_one_microbatch_or_two_give_the_same_gradients_with_load_balancing(load_
         assert metrics_two[key] == pytest.approx(metrics_one[key], rel=1e-4, abs=1e-6), key
 
 
+@load_balancing_loss
 @pytest.mark.parametrize("padding_mask_given", [True, False])
 def test_padding_stays_out_of_the_load_statistics(monkeypatch, padding_mask_given):
     """Rows padded to the longest sequence vs the same sequences packed without row padding: the
@@ -113,6 +122,7 @@ def test_padding_stays_out_of_the_load_statistics(monkeypatch, padding_mask_give
     assert agree == padding_mask_given
 
 
+@load_balancing_loss
 @pytest.mark.parametrize("load_balancing", ["global_batch_aux_loss", "aux_loss"])
 def test_global_batch_load_balancing_does_not_depend_on_the_microbatch_split(load_balancing):
     """A ragged batch (different token mixes per microbatch) as one microbatch or four: with the
@@ -128,6 +138,7 @@ def test_global_batch_load_balancing_does_not_depend_on_the_microbatch_split(loa
         assert metrics_four["moe/load_balancing_loss"] == pytest.approx(metrics_one["moe/load_balancing_loss"], rel=1e-5)
 
 
+@load_balancing_loss
 def test_global_batch_load_balancing_loss_is_the_switch_loss_of_the_whole_batch():
     """The logged loss against the Switch formula written out over the global batch, per MoE
     layer: E / (k T^2) * sum_e F_e * sum_x softmax(router logits of x)_e, with F_e the tokens
@@ -171,6 +182,15 @@ def test_the_router_names_the_global_load_statistics_reach_are_in_the_installed_
     moe.check_moe_supported(_global_statistics_cfg())
 
 
+def test_a_release_without_the_moe_metrics_tracker_is_refused_in_one_line(monkeypatch):
+    """megatron-core 0.16 and 0.17 (no ``moe_logging``), simulated on the installed release."""
+    megatron_cfg = _global_statistics_cfg()
+    monkeypatch.setitem(sys.modules, moe.MOE_METRICS_MODULE, None)
+    with pytest.raises(ValueError, match=r"^policy.megatron_cfg.num_moe_experts=4: megatron-core \S+ has no MoE metrics tracker .*>= 0.18$") as error:
+        moe.check_moe_supported(megatron_cfg)
+    assert "\n" not in str(error.value)
+
+
 def _forward_with_padding_mask_renamed(self, input, pad_mask=None):
     raise AssertionError("never called: the configuration check runs before any forward")
 
@@ -210,6 +230,7 @@ def test_the_routed_token_counts_find_the_padding_mask_by_name():
     assert counted["keyword"].sum() == 2 * 4 * router.topk and counted["none"].sum() == 2 * 6 * router.topk
 
 
+@load_balancing_loss
 @pytest.mark.parametrize("chosen, megatron_name", [("global_batch_aux_loss", "global_aux_loss"), ("aux_loss", "aux_loss"), ("seq_aux_loss", "seq_aux_loss")])
 def test_transformer_config_names_the_chosen_load_balancing(chosen, megatron_name):
     """The TransformerConfig (what a saved model's config says) names the load balancing the user

@@ -15,6 +15,7 @@ from nemo_rl_mtp.models.megatron.data import local_valid_tokens
 from nemo_rl_mtp.models.megatron.draft_distributions import draft_terms, entropy_sum
 from tests.helpers import forward_logits, make_batch, make_policy, mtp_parameter_names
 from tests.unit.models.megatron.test_setup import _release, needs_field
+from tests.release_gates import on_this_release
 from tests.unit.models.megatron.test_mtp_training_step import (
     RAGGED_RESPONSES,
     assert_same_gradients,
@@ -83,7 +84,7 @@ def reference_gradients(policy, batch, loss_type, scaling_factor, temperature) -
                 megatron_cfg__moe_aux_loss_coeff=0.0,
             ),
             # 0.17 lacks the MoE logging module moe.py reads; 0.16's MoE layers need TE on the CPU.
-            marks=pytest.mark.skipif(_release() < (0, 18), reason="MoE on the CPU needs megatron-core >= 0.18"),
+            marks=pytest.mark.skipif(_release() < (0, 18), reason=on_this_release("MoE on the CPU needs megatron-core >= 0.18")),
         ),
     ],
     ids=["1_layer", "2_layers_t0.7", "detached", "repeated", "moe"],

@@ -23,9 +23,12 @@ from nemo_rl_mtp.models.megatron import cpu_runtime
 from nemo_rl_mtp.models.megatron.data import causal_attention_mask, local_valid_tokens
 from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch, optimizer_step
 from tests.helpers import gradients, make_batch, make_policy, mtp_parameter_names
+from tests.release_gates import requires_config
 from tests.unit.models.megatron.test_mtp_training_step import zero_policy_loss
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
+# One MTP layer repeated over the depths: megatron-core >= 0.17.
+repeated_layer = requires_config(megatron_cfg__mtp_num_layers=2, megatron_cfg__mtp_use_repeated_layer=True)
 
 PG_LOSS = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.0)
 # Prompts are 5 tokens (>= depths + 1 for every depth used here), so the step's MTP gradient is
@@ -74,6 +77,7 @@ def trunk_gradient_change(detach_heads: bool) -> tuple[dict, dict]:
     return with_mtp, change
 
 
+@requires_config(megatron_cfg__mtp_detach_heads=True)
 def test_detached_heads_send_no_mtp_gradient_into_the_trunk():
     """Embedding, decoder and output layer get exactly the policy loss's gradient; the MTP
     heads still learn."""
@@ -94,6 +98,7 @@ def test_attached_heads_do_send_mtp_gradient_into_the_trunk():
     assert change["embedding.word_embeddings.weight"] > 0 and change["output_layer.weight"] > 0
 
 
+@requires_config(megatron_cfg__mtp_detach_heads=True)
 def test_detached_heads_mtp_grad_norm_is_megatrons_mtp_group_norm():
     """megatron-core 0.19 tags detached MTP parameters ``grad_norm_group='mtp'`` and norms and
     clips them on their own: our ``mtp/grad_norm`` must be that norm, and megatron's main norm
@@ -180,8 +185,10 @@ def reference_repeated_mtp_loss(policy, batch, num_depths: int, scaling_factor: 
     total = torch.zeros(())
     with cpu_runtime.device_scope():
         for depth in range(num_depths):
-            hidden, ids, position_ids, padding_mask = layer(**state)
-            state.update(hidden_states=hidden, input_ids=ids, position_ids=position_ids, padding_mask=padding_mask)
+            hidden, ids, position_ids, *padding_mask = layer(**state)  # 0.18 on return the rolled padding mask too
+            state.update(hidden_states=hidden, input_ids=ids, position_ids=position_ids)
+            if padding_mask:
+                state["padding_mask"] = padding_mask[0]
             assert torch.equal(ids[:, : seq_length - depth - 1], input_ids[:, depth + 1 :])  # what depth k sees
             if depths is not None and depth not in depths:
                 continue
@@ -200,6 +207,7 @@ def reference_gradients(policy, loss: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: torch.zeros_like(param) if grad is None else grad for (name, param), grad in zip(params.items(), grads)}
 
 
+@repeated_layer
 def test_repeated_layer_holds_one_mtp_layer():
     """Three depths, one set of MTP weights: the same parameters as a one-layer MTP block."""
     repeated, _ = make_repeated_policy(mtp_num_layers=3)
@@ -213,6 +221,7 @@ def test_repeated_layer_holds_one_mtp_layer():
             assert param.shape == single.model.module.get_parameter(name).shape
 
 
+@repeated_layer
 @pytest.mark.parametrize("mtp_num_layers", [2, 3])
 def test_repeated_layer_gradient_equals_independent_reference(mtp_num_layers):
     """The step's gradients (MTP loss only) are those of the hand-computed repeated-layer loss,
@@ -225,6 +234,7 @@ def test_repeated_layer_gradient_equals_independent_reference(mtp_num_layers):
     assert_close_gradients(step_grads, expected, rtol=1e-5, atol=1e-7)
 
 
+@repeated_layer
 def test_repeated_layer_gradient_sums_over_depths():
     """With two depths, depth 0 is exactly the one-depth step at half the weight (s/2 instead of
     s), so the two-depth gradient is half the one-depth gradient plus the reference's depth-1 term,

@@ -12,6 +12,7 @@ from nemo_rl_mtp.models.megatron.setup import (
     resolve_transformer_impl,
 )
 from tests.helpers import make_policy, tiny_config
+from tests.release_gates import on_this_release
 
 
 def test_apply_mtp_config_copies_the_keys_present():
@@ -43,7 +44,7 @@ def _release_has(field: str) -> bool:
     return _release() >= FIELD_SINCE[field]
 
 
-@pytest.mark.skipif(_release() not in COPIED_BY_RELEASE, reason="a release outside the measured matrix")
+@pytest.mark.skipif(_release() not in COPIED_BY_RELEASE, reason=on_this_release("a release outside the measured matrix"))
 def test_apply_mtp_config_copies_only_fields_the_release_has():
     kwargs = {}
     _apply_mtp_config(kwargs, {"mtp_num_layers": 1, "mtp_detach_heads": False, "mtp_use_repeated_layer": False})
@@ -57,7 +58,7 @@ def test_apply_mtp_config_leaves_a_non_mtp_recipe_untouched():
         assert kwargs == {"num_layers": 2}
 
 
-needs_field = lambda name: pytest.mark.skipif(not _release_has(name), reason=f"this megatron-core has no {name}")  # noqa: E731
+needs_field = lambda name: pytest.mark.skipif(not _release_has(name), reason=on_this_release(f"its TransformerConfig has no {name}"))  # noqa: E731
 
 
 def test_transformer_config_carries_mtp_settings():

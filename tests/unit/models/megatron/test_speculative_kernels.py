@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch
-
 from nemo_rl_mtp.models.megatron import speculative_kernels
+from tests.release_gates import import_or_skip
+
+mtp_utils_pytorch = import_or_skip("megatron.core.inference.text_generation_controllers.mtp_utils_pytorch", "speculative decoding's PyTorch kernels")
 
 
 def _rewind_case(generator, num_rows: int, num_active: int, k: int, block_size: int) -> dict:
