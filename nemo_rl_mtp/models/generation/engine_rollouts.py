@@ -189,7 +189,20 @@ def mtp_cache_share(model, controller: type, num_speculative_tokens: int) -> flo
     """The share of the engine's memory budget that incremental drafts keep for the MTP caches."""
     if not issubclass(controller, incremental_drafts.IncrementalDraftsController):
         return 0.0
-    return incremental_drafts.mtp_cache_share(model, engine_compat.draft_depths(model, num_speculative_tokens))
+    return incremental_drafts.mtp_cache_share(kv_cache_layers(model), engine_compat.draft_depths(model, num_speculative_tokens))
+
+
+def kv_cache_layers(model) -> int:
+    """How many of this stage's decoder layers megatron's context keeps keys and values for: with
+    Mamba layers (a hybrid context), the attention layers only; otherwise every layer, as the
+    context treats any model without Mamba layers (an attention and MLP hybrid included) as a
+    transformer and sizes a block for each of its layers."""
+    layers = model.decoder.layers
+    if not hybrid.mamba_inference_state(model):
+        return len(layers)
+    from megatron.core.transformer.attention import SelfAttention
+
+    return sum(isinstance(getattr(layer, "self_attention", None), SelfAttention) for layer in layers)
 
 
 def kv_memory(engine) -> dict[str, int]:

@@ -78,13 +78,14 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def mtp_cache_share(model, num_depths: int) -> float:
+def mtp_cache_share(kv_layers: int, num_depths: int) -> float:
     """The MTP caches' share of the engine's KV memory: per block, each MTP depth stores what one
-    decoder layer stores (same heads and head size), so of L decoder layers and D depths on this
-    pipeline stage the MTP caches get D / (L + D) of the budget and the engine the rest."""
+    attention layer stores (same heads and head size), so where the engine's context keeps keys
+    and values for ``kv_layers`` layers of this pipeline stage, the D depths' caches get
+    D / (kv_layers + D) of the budget and the engine the rest."""
     if num_depths == 0:
         return 0.0
-    return num_depths / (len(model.decoder.layers) + num_depths)
+    return num_depths / (kv_layers + num_depths)
 
 
 class MTPKVCache:

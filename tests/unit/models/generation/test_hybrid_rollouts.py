@@ -36,3 +36,20 @@ def test_rollouts_with_speculation_are_the_same_over_gpt_and_hybrid_models(train
 
 
 
+
+def test_a_hybrid_models_engine_and_mtp_caches_fill_the_memory_budget():
+    """Incremental drafts carve the MTP depths' caches out of ``engine.buffer_size_gb``, sized for
+    the layers megatron's context caches: a hybrid of attention and MLP layers gets a block for
+    every layer (megatron treats it as a transformer), so the decoder's blocks and the MTP caches
+    together take the whole budget, up to a block's rounding (as ``test_incremental_drafts``
+    checks for the GPTModel)."""
+    from nemo_rl_mtp.models.generation.engine_rollouts import kv_memory
+
+    policy, policy_cfg = make_policy(**engine_overrides(2), **HYBRID, megatron_cfg__hybrid_layer_pattern=hybrid_pattern(2, moe=False))
+    engine = RolloutEngine(policy, policy_cfg).engine
+    memory = kv_memory(engine)
+    budget = policy_cfg.generation.engine.buffer_size_gb * 1024**3
+    trunk_block = engine.context.block_size_bytes
+    mtp_block = memory["mtp"] / (engine.context.kv_block_allocator.total_count + 1)  # its scratch block
+    assert memory["mtp"] > 0
+    assert abs(memory["trunk"] + memory["mtp"] - budget) <= 2 * (trunk_block + mtp_block), (memory, budget)
