@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,9 +39,11 @@ def test_without_config_the_callers_default_recipe_is_loaded(tmp_path, capsys, s
     assert "grpo.num_prompts_per_step=0" in error and "mtp_layerz" not in error
 
 
-def test_the_command_runs_outside_the_checkout(tmp_path):
-    """``python -m`` from another directory: no recipe by default (the packaged exemplar alone)."""
-    command = [sys.executable, "-m", "nemo_rl_mtp.cli.run_grpo"]
+@pytest.mark.parametrize("entry", ["python -m", "console script"])
+def test_the_command_runs_outside_the_checkout(tmp_path, entry):
+    """``python -m`` and the installed ``nemo-rl-mtp-grpo`` command (``[project.scripts]``), from
+    another directory: no recipe by default (the packaged exemplar alone)."""
+    command = [sys.executable, "-m", "nemo_rl_mtp.cli.run_grpo"] if entry == "python -m" else [str(Path(sys.executable).parent / "nemo-rl-mtp-grpo")]
     shown = subprocess.run([*command, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "default: None; None: the packaged exemplar alone" in " ".join(shown.stdout.split())
     refused = subprocess.run([*command, "grpo.num_prompts_per_step=0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
