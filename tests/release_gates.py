@@ -1,6 +1,8 @@
 """Skips for tests that need what the installed megatron-core lacks. Every reason names the
 release and the missing piece; the release matrix (``tests/functional/test_release_matrix.py``)
-fails a skip on an older release whose reason does not name it, and a gated skip on the newest.
+fails a skip on an older release whose reason does not name it. On the newest release the
+project allows (``NEWEST_RELEASE``, pyproject's bound) nothing may be missing: a gate that would
+skip there fails the collection instead, so the main suite never skips a test silently.
 
 Two kinds of gate:
 - :func:`requires_config`: the product's own one-line refusal of a configuration (checked at
@@ -20,6 +22,17 @@ from nemo_rl_mtp.models.generation.engine_release import megatron_release
 from nemo_rl_mtp.utils.config import ConfigError
 from tests.helpers import tiny_config
 
+# pyproject allows megatron-core < 0.20: every gate is open on 0.19.
+NEWEST_RELEASE = "megatron-core 0.19."
+
+
+def _skip_marker(reason: str | None) -> pytest.MarkDecorator:
+    """skipif(reason), where the installed release may lack something; on the newest a reason is
+    an error (the product or the suite broke, not the release)."""
+    if reason is not None and megatron_release().startswith(NEWEST_RELEASE):
+        raise AssertionError(f"a release gate is closed on the newest release: {reason}")
+    return pytest.mark.skipif(reason is not None, reason=str(reason))
+
 
 def release_refusal(**policy_overrides) -> str | None:
     """The installed megatron-core's one-line refusal of the tiny config with these
@@ -36,8 +49,7 @@ def release_refusal(**policy_overrides) -> str | None:
 
 def requires_config(**policy_overrides) -> pytest.MarkDecorator:
     """Skip marker: the test runs this configuration, which the installed release may refuse."""
-    reason = release_refusal(**policy_overrides)
-    return pytest.mark.skipif(reason is not None, reason=str(reason))
+    return _skip_marker(release_refusal(**policy_overrides))
 
 
 def import_or_skip(module: str, what_for: str):
@@ -48,7 +60,9 @@ def import_or_skip(module: str, what_for: str):
     except ModuleNotFoundError as error:
         if error.name is None or not module.startswith(error.name):
             raise
-        pytest.skip(f"{megatron_release()} has no {module} ({what_for})", allow_module_level=True)
+        reason = f"{megatron_release()} has no {module} ({what_for})"
+        _skip_marker(reason)  # raises on the newest release
+        pytest.skip(reason, allow_module_level=True)
 
 
 def on_this_release(what: str) -> str:
@@ -56,11 +70,9 @@ def on_this_release(what: str) -> str:
     return f"{megatron_release()}: {what}"
 
 
-
 def requires_megatron_bridge() -> pytest.MarkDecorator:
     """Skip marker for tests of Hugging Face checkpoints: megatron-bridge does not import on every
     release (the product's own probe, which imports the bridge: call it only where it is used)."""
     from nemo_rl_mtp.models.megatron.compat.megatron_bridge import bridge_unavailable
 
-    reason = bridge_unavailable()
-    return pytest.mark.skipif(reason is not None, reason=str(reason))
+    return _skip_marker(bridge_unavailable())

@@ -4,6 +4,8 @@ Ray workers, rollouts on the release's own inference engine, MTP training, check
 
 - 0.17 on: the engine speculates with the policy's MTP head (one draft per step, verified by
   rejection sampling); the rollouts report drafts proposed and accepted, and the MTP head trains.
+- 0.18, the oldest release with MoE (megatron-core's MoE metrics tracker), runs with an MoE trunk and
+  MoE MTP layer, load balancing off (its normalisation needs 0.19's schedule).
 - 0.16: its engine has no speculative decoding. One draft per step is refused before any worker
   starts, in one line naming the release and what it lacks; ``auto`` runs without drafts.
 
@@ -36,6 +38,10 @@ import mtp_release_matrix  # noqa: E402
 RELEASES = os.environ.get("NEMO_RL_MTP_RELEASES", " ".join(mtp_release_matrix.DEFAULT_RELEASES)).split()
 # Releases whose engine has no speculative decoding (written out from what each release has).
 WITHOUT_SPECULATION = {"0.16"}
+# Per release (major.minor), what its run adds to the default recipe.
+RELEASE_OVERRIDES = {
+    "0.18": ("policy.megatron_cfg.num_moe_experts=4", "policy.megatron_cfg.moe_router_topk=2", "policy.megatron_cfg.moe_aux_loss_coeff=0"),
+}
 ONE_STEP = [*SMALL_GRPO_STEP, "grpo.max_num_steps=1", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false"]
 
 
@@ -54,7 +60,7 @@ def test_grpo_runs_on_the_release_with_the_speculation_its_engine_has(release, t
     minor = ".".join(release.split(".")[:2])
     speculates = minor not in WITHOUT_SPECULATION
     k = "1" if speculates else "auto"
-    completed = _run_grpo(release, tmp_path, "run", f"policy.generation.num_speculative_tokens={k}")
+    completed = _run_grpo(release, tmp_path, "run", f"policy.generation.num_speculative_tokens={k}", *RELEASE_OVERRIDES.get(minor, ()))
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     (step,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert math.isfinite(step["train/loss"]) and step["train/mtp/mtp_1_loss"] > 0 and step["train/mtp/grad_norm"] > 0
