@@ -134,20 +134,6 @@ def router_names_changed() -> list[str]:
     return problems
 
 
-def install_router_gemm_fallback() -> bool:
-    """Compat: megatron-core 0.16's router GEMM checks ``te_general_gemm is not None`` but binds
-    the name only where Transformer Engine imports, so without TE every MoE router raises
-    NameError. Where the module lacks the name it is bound to None (megatron's torch GEMM path);
-    a release that binds it is left alone. Idempotent; returns whether it was bound here."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if hasattr(moe_utils, "te_general_gemm"):
-        return False
-    moe_utils.te_general_gemm = None
-    logger.info("moe_utils.te_general_gemm unbound without Transformer Engine (megatron-core 0.16): bound to None, the torch GEMM")
-    return True
-
-
 def count_global_router_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """N: non-padding tokens of the global batch (one all-reduce over data parallel)."""
     return sum_over_data_parallel(batch["input_lengths"].sum(), device)

@@ -69,8 +69,6 @@ def initialize_model_parallel(megatron_cfg, rank: int, world_size: int, init_met
 def build_transformer_config(megatron_cfg, architecture: Optional[ModelArchitecture] = None) -> TransformerConfig:
     """The architecture (``architecture`` of an imported checkpoint, else the config's keys) with
     this project's training settings on top."""
-    if megatron_cfg.num_moe_experts:
-        moe.install_router_gemm_fallback()  # a compat binding, in each process that builds a model
     config_kwargs = dict(architecture.config_fields) if architecture is not None else scratch_architecture(megatron_cfg)
     config_kwargs.update(training_settings(megatron_cfg))
     _apply_mtp_config(config_kwargs, megatron_cfg)
