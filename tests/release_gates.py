@@ -19,8 +19,8 @@ import importlib
 import pytest
 
 from nemo_rl_mtp.models.generation.engine_release import megatron_release
-from nemo_rl_mtp.utils.config import ConfigError
-from tests.helpers import tiny_config
+from nemo_rl_mtp.utils.config import ConfigError, load_config
+from tests.helpers import DEFAULT_RECIPE, tiny_config
 
 # pyproject allows megatron-core < 0.20: every gate is open on 0.19.
 NEWEST_RELEASE = "megatron-core 0.19."
@@ -38,8 +38,39 @@ def release_refusal(**policy_overrides) -> str | None:
     """The installed megatron-core's one-line refusal of the tiny config with these
     ``policy.<key>`` overrides (None: it runs it). A refusal for any other reason is a broken
     test, raised."""
+    return _refusal(lambda: tiny_config(**policy_overrides))
+
+
+def command_refusal(argv: list[str]) -> str | None:
+    """The same for a GRPO command line (``tests.helpers.run_grpo``'s ``argv``: its recipe, or
+    ``--config``'s, with its overrides); on the newest release a refusal raises."""
+    recipe, overrides = DEFAULT_RECIPE, list(argv)
+    if "--config" in overrides:
+        at = overrides.index("--config")
+        recipe = overrides[at + 1]
+        del overrides[at : at + 2]
+    reason = _refusal(lambda: load_config(recipe, overrides))
+    _skip_marker(reason)
+    return reason
+
+
+class RunsByName(dict):
+    """Run directories by name, as a module's GRPO runs fill them; reading a run the installed
+    release refused (``refused``: name -> its one-line refusal) skips the reading test with it."""
+
+    def __init__(self):
+        super().__init__()
+        self.refused: dict[str, str] = {}
+
+    def __missing__(self, name: str):
+        if name in self.refused:
+            pytest.skip(self.refused[name])
+        raise KeyError(name)
+
+
+def _refusal(load) -> str | None:
     try:
-        tiny_config(**policy_overrides)
+        load()
     except ConfigError as error:
         if megatron_release() not in str(error):
             raise

@@ -19,8 +19,9 @@ from nemo_rl_mtp.utils.logger import read_metrics
 from tests.functional.test_fault_injection import TIMING_KEYS, _kill_when
 from tests.hf_reference import load_hf_model
 from tests.helpers import SMALL_GRPO_STEP, run_grpo
+from tests.release_gates import requires_megatron_bridge
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, requires_megatron_bridge()]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "examples" / "configs"
@@ -69,18 +70,20 @@ def runs(files):
         ],  # fmt: skip
         "math": math_command(files, "math"),
     }
+    import ray
+
     from nemo_rl_mtp.distributed.ray_cluster import init_ray
     from nemo_rl_mtp.utils.config import load_config
 
     init_ray(load_config().cluster)
-    for name, argv in configs.items():
-        if name != "math":
-            argv = [*argv, f"logger.log_dir={files['logs']}", f"logger.run_name={name}"]
-        assert run_grpo(argv) == 0, name
-    yield {name: files["logs"] / name for name in configs}
-    import ray
-
-    ray.shutdown()
+    try:  # stopped whatever happens: a failed run must not leave it to the next module's tests
+        for name, argv in configs.items():
+            if name != "math":
+                argv = [*argv, f"logger.log_dir={files['logs']}", f"logger.run_name={name}"]
+            assert run_grpo(argv) == 0, name
+        yield {name: files["logs"] / name for name in configs}
+    finally:
+        ray.shutdown()
 
 
 def export(run_dir: Path, out: Path) -> Path:
