@@ -20,6 +20,7 @@ import pytest
 
 from nemo_rl_mtp.utils.logger import read_metrics
 from tests.helpers import SMALL_GRPO_STEP
+from tests.unit.models.generation.engine_cases import drafts_where_possible
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +31,9 @@ SMALL = [
     "logger.wandb_enabled=false",
     "checkpointing.save_period=2",
     "policy.generation.top_k=1",
-    # The recipe's auto chooses k from measured step times; decode steps and draft counts follow k.
-    "policy.generation.num_speculative_tokens=1",
+    # The recipe's auto chooses k from measured step times; decode steps and draft counts follow k
+    # (0 where the release's engine has no speculative decoding).
+    f"policy.generation.num_speculative_tokens={drafts_where_possible(1)}",
     # train/kl_to_start after a resume is measured against the saved start of RL, not the resume point.
     "grpo.log_kl_to_start_of_rl=true",
 ]

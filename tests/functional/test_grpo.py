@@ -12,6 +12,7 @@ from nemo_rl_mtp.utils.logger import read_metrics
 from nemo_rl_mtp.utils.plot import plot_run
 from tests.helpers import SMALL_GRPO_STEP, run_grpo
 from tests.release_gates import RunsByName, command_refusal
+from tests.unit.models.generation.engine_cases import requires_speculation
 from tests.wandb_offline import offline_history
 
 pytestmark = pytest.mark.slow
@@ -164,6 +165,7 @@ def test_two_optimizer_steps_per_grpo_step_train_the_second_half_off_policy(runs
         assert row["train/mtp/mtp_1_loss"] > 0 and row["train/mtp/grad_norm"] > 0
 
 
+@requires_speculation  # without it, auto chooses 0 once, at config load (test_adaptive_speculation)
 def test_auto_logs_its_choice_and_the_tokens_per_second_behind_it(runs):
     """The recipe's num_speculative_tokens: auto, on one MTP layer: k in {0, 1} every step, drafts
     counted exactly when it speculates."""
@@ -263,8 +265,8 @@ def test_plot_of_a_run(runs, tmp_path):
     [
         (["policy.megatron_cfg.mtp_num_layerz=2"], "mtp_num_layerz"),
         (["policy.generation.num_speculative_tokens=-1"], "policy.generation.num_speculative_tokens=-1"),
-        (["policy.megatron_cfg.mtp_num_layers=0", "policy.generation.num_speculative_tokens=1"], "mtp_num_layers > 0"),
-        (["policy.megatron_cfg.mtp_num_layers=1", "policy.generation.num_speculative_tokens=2"], "at most 1 draft"),
+        pytest.param(["policy.megatron_cfg.mtp_num_layers=0", "policy.generation.num_speculative_tokens=1"], "mtp_num_layers > 0", marks=requires_speculation),
+        pytest.param(["policy.megatron_cfg.mtp_num_layers=1", "policy.generation.num_speculative_tokens=2"], "at most 1 draft", marks=requires_speculation),
         (["cluster.cpus_per_worker=4096"], "cluster.workers_per_node=1: needs 4096 CPUs"),
         (["logger.log_dir=/proc/nemo_rl_mtp_logs"], "logger.log_dir=/proc/nemo_rl_mtp_logs: not writable"),
         (
