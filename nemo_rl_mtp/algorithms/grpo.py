@@ -83,7 +83,6 @@ def resolve_model(cfg: MasterConfig) -> MasterConfig:
     if cfg.policy.model_name is None:
         return cfg
     from nemo_rl_mtp.models.megatron import hf_checkpoint
-    from nemo_rl_mtp.models.megatron.setup import resolve_transformer_impl
 
     try:
         facts = hf_checkpoint.checkpoint_facts(
@@ -91,7 +90,7 @@ def resolve_model(cfg: MasterConfig) -> MasterConfig:
         )
     except hf_checkpoint.CheckpointError as error:
         raise ConfigError(str(error)) from None
-    if facts.multi_latent_attention and resolve_transformer_impl(cfg.policy.megatron_cfg.transformer_impl) != "transformer_engine":
+    if facts.multi_latent_attention and workers_transformer_impl(cfg) == "local":
         raise ConfigError(
             f"policy.model_name={cfg.policy.model_name}: {facts.architecture} uses multi-latent attention, which "
             "megatron-core builds only with transformer_engine (a GPU)"
@@ -102,6 +101,21 @@ def resolve_model(cfg: MasterConfig) -> MasterConfig:
         resolved.policy.megatron_cfg.mtp_num_layers, " with weights" if facts.mtp_num_layers else " (new)",
     )  # fmt: skip
     return resolved
+
+
+def workers_transformer_impl(cfg: MasterConfig) -> Optional[str]:
+    """The layer spec the workers will build, where the driver can tell: the configured one; for
+    ``auto``, this machine's resolution when the workers run here (no ``cluster.address``), local
+    for CPU workers on a cluster. None: ``auto`` on a cluster's GPU workers, decided on each node
+    (whether transformer_engine imports there), which the driver may not share."""
+    from nemo_rl_mtp.models.megatron.setup import resolve_transformer_impl
+
+    requested = cfg.policy.megatron_cfg.transformer_impl
+    if requested != "auto":
+        return requested
+    if cfg.cluster.address is None:
+        return resolve_transformer_impl(requested)
+    return None if cfg.cluster.gpus_per_worker else "local"
 
 
 def preflight_checks(cfg: MasterConfig) -> None:

@@ -213,6 +213,11 @@ def build_model(
     gives the output layer's size and the position-embedding arguments, else the config's keys do
     (``vocab_size`` padded to the tensor-parallel size)."""
     transformer_impl = resolve_transformer_impl(megatron_cfg.transformer_impl)
+    if config.multi_latent_attention and transformer_impl != "transformer_engine":
+        raise ValueError(
+            f"policy.megatron_cfg.transformer_impl={megatron_cfg.transformer_impl}: this worker builds the {transformer_impl} "
+            "spec (no CUDA or no transformer_engine here), and megatron-core builds multi-latent attention only with transformer_engine"
+        )
     layer_spec = build_layer_spec(transformer_impl, config)
     if architecture is not None:
         model_kwargs = dict(architecture.model_kwargs, vocab_size=architecture.padded_vocab_size)

@@ -182,7 +182,10 @@ def test_a_tokenizer_without_an_end_of_sequence_token_is_refused(checkpoints, tm
 
 
 def test_multi_latent_attention_is_refused_on_the_cpu(tmp_path):
-    """A DeepSeek-V3-layout config (no weights needed to decide): one line naming the reason."""
+    """A DeepSeek-V3-layout config (no weights needed to decide): one line naming the reason, where
+    the driver knows the workers build the local spec (here, CPU workers of a cluster, or local
+    asked for); with ``auto`` on a cluster's GPU workers each worker decides (its node may have
+    transformer_engine where the driver has none): the driver does not refuse it."""
     from transformers import DeepseekV3Config
 
     DeepseekV3Config(
@@ -191,8 +194,11 @@ def test_multi_latent_attention_is_refused_on_the_cpu(tmp_path):
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, num_nextn_predict_layers=1,
         architectures=["DeepseekV3ForCausalLM"],
     ).save_pretrained(tmp_path)  # fmt: skip
-    with pytest.raises(ConfigError, match="multi-latent attention, which megatron-core builds only with transformer_engine"):
-        resolved(tmp_path)
+    cluster = "cluster.address=10.0.0.1:6379"
+    for overrides in ((), (cluster,), (cluster, "cluster.gpus_per_worker=1", "policy.megatron_cfg.transformer_impl=local")):
+        with pytest.raises(ConfigError, match="multi-latent attention, which megatron-core builds only with transformer_engine"):
+            resolved(tmp_path, *overrides)
+    assert resolved(tmp_path, cluster, "cluster.gpus_per_worker=1").policy.model_name == str(tmp_path)
 
 
 def test_a_qwen3_checkpoint_gets_new_heads_in_megatron_bridges_qwen3_mtp_layout(tmp_path):

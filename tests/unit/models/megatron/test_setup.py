@@ -108,3 +108,19 @@ def test_vocab_is_padded_for_tensor_parallelism():
     assert padded_vocab_size(30, 1) == 30
     assert padded_vocab_size(30, 4) == 32
     assert padded_vocab_size(33, 2) == 34
+
+
+def test_a_worker_that_would_build_multi_latent_attention_with_the_local_spec_refuses_in_one_line():
+    """``auto`` on a cluster's GPU workers is resolved by each worker (the driver defers it): a node
+    without transformer_engine gets one line, not megatron's error from deep in the build."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    from nemo_rl_mtp.models.megatron.setup import build_model
+
+    config = MLATransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8,
+        v_head_dim=8, multi_latent_attention=True,
+    )  # fmt: skip
+    megatron_cfg = tiny_config().policy.megatron_cfg
+    with pytest.raises(ValueError, match=r"^policy.megatron_cfg.transformer_impl=auto: this worker builds the local spec .* only with transformer_engine$"):
+        build_model(megatron_cfg, config, 64, 32)
