@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -213,12 +215,42 @@ def in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStra
     return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
 
 
-@ray.remote(num_cpus=0)
-def _address_on_this_node() -> str:
+# Ray's worker processes listen on 10002-19999 (its default min/max_worker_port).
+RAY_WORKER_PORTS_END = 20000
+
+
+def rendezvous_port() -> int:
+    """A free port for rank 0 to listen on seconds later, once its worker has started: chosen
+    between Ray's worker ports and the kernel's ephemeral range, where no outgoing connection
+    (Ray opens many) can take it in the meantime, as one from the ephemeral range was seen to be
+    (EADDRINUSE at rendezvous). Any free port where that window is empty."""
+    low = _ephemeral_ports()[0]
+    candidates = list(range(RAY_WORKER_PORTS_END, low))
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        return sock.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default where unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+@ray.remote(num_cpus=0)
+def _address_on_this_node() -> str:
+    return f"tcp://{ray.util.get_node_ip_address()}:{rendezvous_port()}"
 
 
 def rendezvous_address(group: PlacementGroup) -> str:

@@ -4,6 +4,7 @@ the numbers either way; a worker's error reaches the console as one line."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -69,3 +70,25 @@ def test_a_worker_error_is_one_line_naming_the_original_error(two_cpu_ray):
         ray.get(_fails_in_a_worker.remote())
     assert str(raised.value).count("\n") > 2  # the worker's traceback, which one_line leaves out
     assert one_line(raised.value) == "ValueError: policy.megatron_cfg.num_layers=3: first line"
+
+
+def test_the_rendezvous_port_is_free_and_outside_the_ports_others_take_meanwhile():
+    """Between Ray's worker ports and the kernel's ephemeral range (from which Ray's outgoing
+    connections take theirs while rank 0's worker starts); a free port where that window is empty."""
+    from nemo_rl_mtp.distributed import ray_cluster
+
+    low, high = ray_cluster._ephemeral_ports()
+    for _ in range(20):
+        port = ray_cluster.rendezvous_port()
+        assert ray_cluster.RAY_WORKER_PORTS_END <= port < low or low <= ray_cluster.RAY_WORKER_PORTS_END
+        with socket.socket() as sock:
+            sock.bind(("", port))  # free
+
+
+def test_without_a_window_the_rendezvous_port_is_any_free_port(monkeypatch):
+    from nemo_rl_mtp.distributed import ray_cluster
+
+    monkeypatch.setattr(ray_cluster, "_ephemeral_ports", lambda: (1024, 65535))
+    port = ray_cluster.rendezvous_port()
+    with socket.socket() as sock:
+        sock.bind(("", port))
