@@ -224,10 +224,8 @@ def rendezvous_port() -> int:
     between Ray's worker ports and the kernel's ephemeral range, where no outgoing connection
     (Ray opens many) can take it in the meantime, as one from the ephemeral range was seen to be
     (EADDRINUSE at rendezvous). Any free port where that window is empty."""
-    low = _ephemeral_ports()[0]
-    candidates = list(range(RAY_WORKER_PORTS_END, low))
-    random.SystemRandom().shuffle(candidates)
-    for port in candidates[:200]:
+    window = range(RAY_WORKER_PORTS_END, ephemeral_ports_start())
+    for port in random.sample(window, min(200, len(window))):
         with socket.socket() as sock:
             try:
                 sock.bind(("", port))
@@ -239,13 +237,13 @@ def rendezvous_port() -> int:
         return sock.getsockname()[1]
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range for outgoing connections' local ports (Linux's default where unreadable)."""
+def ephemeral_ports_start() -> int:
+    """Where the kernel's range for outgoing connections' local ports starts (Linux's default
+    where unreadable)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @ray.remote(num_cpus=0)

@@ -75,7 +75,8 @@ MOE_METRICS_MODULE = "megatron.core.transformer.moe.moe_logging"
 
 def check_moe_supported(megatron_cfg) -> None:
     """Raise ValueError, one line naming the key and the release, where the installed megatron-core
-    cannot run the configured MoE trunk: before 0.18 it has no MoE metrics tracker; before 0.19 its schedule reads no ``moe_grad_scale_func``
+    cannot run the configured MoE trunk: before 0.18 it has no MoE metrics tracker; before 0.19
+    its schedule reads no ``moe_grad_scale_func``
     (the load-balancing loss cannot be normalised), or the router's private names the global load
     statistics reach are gone or changed (:func:`router_names_changed`)."""
     from megatron.core.pipeline_parallel import schedules
@@ -89,7 +90,7 @@ def check_moe_supported(megatron_cfg) -> None:
     except ModuleNotFoundError:
         raise ValueError(
             f"policy.megatron_cfg.num_moe_experts={megatron_cfg.num_moe_experts}: megatron-core {megatron_core_version()} "
-            "has no MoE metrics tracker (megatron.core.transformer.moe.moe_logging), from which a training step reads "
+            f"has no MoE metrics tracker ({MOE_METRICS_MODULE}), from which a training step reads "
             "the routers' load-balancing loss; set it to 0 or use megatron-core >= 0.18"
         ) from None
     if megatron_cfg.moe_aux_loss_coeff > 0 and not hasattr(schedules, "_get_moe_loss_scale"):

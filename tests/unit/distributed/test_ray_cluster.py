@@ -77,7 +77,7 @@ def test_the_rendezvous_port_is_free_and_outside_the_ports_others_take_meanwhile
     connections take theirs while rank 0's worker starts); a free port where that window is empty."""
     from nemo_rl_mtp.distributed import ray_cluster
 
-    low, high = ray_cluster._ephemeral_ports()
+    low = ray_cluster.ephemeral_ports_start()
     for _ in range(20):
         port = ray_cluster.rendezvous_port()
         assert ray_cluster.RAY_WORKER_PORTS_END <= port < low or low <= ray_cluster.RAY_WORKER_PORTS_END
@@ -88,7 +88,7 @@ def test_the_rendezvous_port_is_free_and_outside_the_ports_others_take_meanwhile
 def test_without_a_window_the_rendezvous_port_is_any_free_port(monkeypatch):
     from nemo_rl_mtp.distributed import ray_cluster
 
-    monkeypatch.setattr(ray_cluster, "_ephemeral_ports", lambda: (1024, 65535))
+    monkeypatch.setattr(ray_cluster, "ephemeral_ports_start", lambda: 1024)
     port = ray_cluster.rendezvous_port()
     with socket.socket() as sock:
         sock.bind(("", port))
