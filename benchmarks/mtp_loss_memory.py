@@ -69,7 +69,7 @@ def _forecast_before(draft_rows: torch.Tensor, policy_rows: torch.Tensor) -> tor
 def run_variant(name: str, tokens: int, vocab: int, hidden: int, dtype: torch.dtype, repeats: int) -> dict:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from nemo_rl_mtp.models.megatron.draft_distributions import draft_terms
+    from nemo_rl_mtp.training.draft_distributions import draft_terms
 
     policy_logits, hidden_states, weight, labels, mask = _inputs(tokens, vocab, hidden, dtype)
     policy_index = torch.arange(tokens)  # one row per token: row t's target predicted at policy row t
@@ -98,8 +98,8 @@ def run_variant(name: str, tokens: int, vocab: int, hidden: int, dtype: torch.dt
 
 
 def _child(args) -> None:
-    from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel
-    from nemo_rl_mtp.utils.config import load_config
+    from nemo_rl_mtp.training.model import initialize_model_parallel
+    from nemo_rl_mtp.config.load import load_config
 
     initialize_model_parallel(load_config().policy.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{args.port}")
     torch.set_num_threads(args.threads)

@@ -20,10 +20,10 @@ from torch.utils.flop_counter import FlopCounterMode
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # the synthetic batch is a test helper (tests/synthetic.py)
 
-from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn  # noqa: E402
-from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy  # noqa: E402
-from nemo_rl_mtp.models.megatron.train import train_global_batch  # noqa: E402
-from nemo_rl_mtp.utils.config import load_config  # noqa: E402
+from nemo_rl_mtp.training.losses import ClippedPGLossFn  # noqa: E402
+from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
+from nemo_rl_mtp.training.step import train_global_batch  # noqa: E402
+from nemo_rl_mtp.config.load import load_config  # noqa: E402
 from tests.synthetic import synthetic_rl_batch  # noqa: E402
 
 VOCAB_SIZE = 32

@@ -37,15 +37,15 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from nemo_rl_mtp.algorithms.imitation import imitation_step  # noqa: E402
-from nemo_rl_mtp.data.demonstrations import demonstration_batch  # noqa: E402
-from nemo_rl_mtp.data.tokenizer import DigitTokenizer  # noqa: E402
-from nemo_rl_mtp.models.generation import incremental_drafts  # noqa: E402
-from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine, kv_memory  # noqa: E402
-from nemo_rl_mtp.models.generation.speculation import speculation_metrics  # noqa: E402
-from nemo_rl_mtp.models.megatron import paged_attention  # noqa: E402
-from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy  # noqa: E402
-from nemo_rl_mtp.utils.config import load_config  # noqa: E402
+from nemo_rl_mtp.training.imitation import imitation_step  # noqa: E402
+from nemo_rl_mtp.tasks.demonstrations import demonstration_batch  # noqa: E402
+from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer  # noqa: E402
+from nemo_rl_mtp.rollout import incremental_drafts  # noqa: E402
+from nemo_rl_mtp.rollout.engine import RolloutEngine, kv_memory  # noqa: E402
+from nemo_rl_mtp.rollout.speculation import speculation_metrics  # noqa: E402
+from nemo_rl_mtp.megatron_compat.cpu import paged_attention  # noqa: E402
+from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
+from nemo_rl_mtp.config.load import load_config  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 TOKENIZER = DigitTokenizer()

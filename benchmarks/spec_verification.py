@@ -26,15 +26,15 @@ from omegaconf import read_write
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from nemo_rl_mtp.algorithms.grpo import grpo_train, latest_checkpoint  # noqa: E402
-from nemo_rl_mtp.data.tokenizer import DigitTokenizer  # noqa: E402
-from nemo_rl_mtp.distributed.ray_cluster import shutdown_ray  # noqa: E402
-from nemo_rl_mtp.environments.digit_tasks import DigitTaskPrompts  # noqa: E402
-from nemo_rl_mtp.models.generation.engine_rollouts import RolloutEngine  # noqa: E402
-from nemo_rl_mtp.models.generation.speculation import speculation_metrics  # noqa: E402
-from nemo_rl_mtp.models.megatron.checkpoint import load_policy  # noqa: E402
-from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy  # noqa: E402
-from nemo_rl_mtp.utils.config import load_config  # noqa: E402
+from nemo_rl_mtp.grpo.loop import grpo_train, latest_checkpoint  # noqa: E402
+from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer  # noqa: E402
+from nemo_rl_mtp.cluster.ray_cluster import shutdown_ray  # noqa: E402
+from nemo_rl_mtp.tasks.digit_tasks import DigitTaskPrompts  # noqa: E402
+from nemo_rl_mtp.rollout.engine import RolloutEngine  # noqa: E402
+from nemo_rl_mtp.rollout.speculation import speculation_metrics  # noqa: E402
+from nemo_rl_mtp.training.checkpoint import load_policy  # noqa: E402
+from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
+from nemo_rl_mtp.config.load import load_config  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 TOKENIZER = DigitTokenizer()

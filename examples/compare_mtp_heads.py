@@ -45,8 +45,8 @@ COLUMNS = [
 
 
 def run_variant(config: str, overrides: list[str], variant: str, seed: int, log_dir: str) -> list[dict[str, float]]:
-    from nemo_rl_mtp.algorithms.grpo import grpo_train
-    from nemo_rl_mtp.utils.config import load_config
+    from nemo_rl_mtp.grpo.loop import grpo_train
+    from nemo_rl_mtp.config.load import load_config
 
     quiet = ["logger.console=false", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "checkpointing.enabled=false"]
     name = f"{variant.replace(' ', '_')}_seed{seed}"
@@ -148,8 +148,8 @@ def main() -> None:
     if args.from_json:
         histories = {variant: {int(seed): rows for seed, rows in runs.items()} for variant, runs in json.loads(args.from_json.read_text()).items()}
     else:
-        from nemo_rl_mtp.distributed.ray_cluster import shutdown_ray
-        from nemo_rl_mtp.utils.console import quiet_third_party_output
+        from nemo_rl_mtp.cluster.ray_cluster import shutdown_ray
+        from nemo_rl_mtp.reporting.console import quiet_third_party_output
 
         quiet_third_party_output()
         histories = {variant: {} for variant in VARIANTS}

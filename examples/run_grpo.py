@@ -1,5 +1,5 @@
 """GRPO with MTP training, from a YAML recipe and Hydra-style overrides (the command-line logic is
-``nemo_rl_mtp.cli.run_grpo``; this script only names its default recipe).
+``nemo_rl_mtp.cli``; this script only names its default recipe).
 
     uv run examples/run_grpo.py                                   # the tiny CPU default recipe
     uv run examples/run_grpo.py --config examples/configs/<recipe>.yaml key=value ...
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from nemo_rl_mtp.cli.run_grpo import main
+from nemo_rl_mtp.cli import main
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent / "configs" / "grpo_mtp_tiny_cpu.yaml"
 

@@ -32,18 +32,18 @@ def measure(reference_dir: Path, save_reference: bool, shims: bool) -> list[dict
     """In the current environment: one MTP step per case; grads compared with the reference."""
     import torch
 
-    from nemo_rl_mtp.models.megatron import compat
+    from nemo_rl_mtp.megatron_compat import shims as compat
 
     if not shims:
         compat.apply_mtp_compat_shims = lambda: []
 
-    from nemo_rl_mtp.models.megatron.compat import megatron_core_version
-    from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel, setup_megatron_policy
-    from nemo_rl_mtp.models.megatron.train import forward_backward_global_batch
-    from nemo_rl_mtp.utils.config import load_config
+    from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
+    from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
+    from nemo_rl_mtp.training.step import forward_backward_global_batch
+    from nemo_rl_mtp.config.load import load_config
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from nemo_rl_mtp.algorithms.loss_functions import ClippedPGLossFn
+    from nemo_rl_mtp.training.losses import ClippedPGLossFn
 
     sys.path.insert(0, str(REPO_ROOT))  # the synthetic batch is a test helper (tests/synthetic.py)
     from tests.synthetic import synthetic_rl_batch

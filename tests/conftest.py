@@ -8,7 +8,7 @@ def pytest_sessionstart(session):
     """Under the release matrix, make sure the intended megatron-core is the one imported."""
     expected = os.environ.get("NEMO_RL_MTP_EXPECT_RELEASE")
     if expected:
-        from nemo_rl_mtp.models.megatron.compat import megatron_core_version
+        from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
 
         installed = megatron_core_version()
         if installed.split("+")[0] != expected:
@@ -18,7 +18,7 @@ def pytest_sessionstart(session):
 @pytest.fixture(scope="session")
 def megatron_world():
     """torch.distributed (gloo, world size 1) and megatron's parallel state, once per session."""
-    from nemo_rl_mtp.models.megatron.setup import initialize_model_parallel
+    from nemo_rl_mtp.training.model import initialize_model_parallel
     from tests.helpers import free_port, tiny_config
 
     logging.basicConfig(level=logging.INFO)

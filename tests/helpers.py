@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from nemo_rl_mtp.data.demonstrations import demonstration_batch
-from nemo_rl_mtp.environments.digit_tasks import answer_ids, expected_answer, prompt_ids
-from nemo_rl_mtp.utils.config import load_config
+from nemo_rl_mtp.tasks.demonstrations import demonstration_batch
+from nemo_rl_mtp.tasks.digit_tasks import answer_ids, expected_answer, prompt_ids
+from nemo_rl_mtp.config.load import load_config
 from tests.synthetic import synthetic_rl_batch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ SMALL_GRPO_STEP = [
 def run_grpo(argv: list[str]) -> int:
     """``examples/run_grpo.py <argv>`` in this process (its default recipe unless argv has --config):
     the exit status."""
-    from nemo_rl_mtp.cli.run_grpo import main
+    from nemo_rl_mtp.cli import main
 
     return main(argv, default_config=DEFAULT_RECIPE)
 
@@ -61,7 +61,7 @@ def make_policy(**policy_overrides):
     """A freshly initialised policy in the already-initialised single-process megatron world."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from nemo_rl_mtp.models.megatron.setup import setup_megatron_policy
+    from nemo_rl_mtp.training.model import setup_megatron_policy
 
     cfg = tiny_config(**policy_overrides)
     model_parallel_cuda_manual_seed(cfg.policy.megatron_cfg.seed)
@@ -102,9 +102,9 @@ def recompute_sampler(
     benchmark): for every new token, one full forward of all sequences (no KV cache, no
     speculation), then argmax (``temperature`` 0) or a draw from softmax(logits / temperature),
     over the real vocabulary. Returns each prompt followed by its response."""
-    from nemo_rl_mtp.models.megatron import cpu_runtime
-    from nemo_rl_mtp.models.megatron.data import causal_attention_mask
-    from nemo_rl_mtp.models.megatron.module_modes import eval_mode
+    from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
+    from nemo_rl_mtp.training.batches import causal_attention_mask
+    from nemo_rl_mtp.training.module_modes import eval_mode
 
     model = policy.model.module
     generator = torch.Generator().manual_seed(seed)
@@ -138,7 +138,7 @@ def recompute_sampler(
 def eval_forward_logits(policy, tokens: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The policy's logits [B, S, V] and each MTP depth's [B, S, V], from one eval-mode forward of
     megatron's GPTModel over plain rows (the MTP block's own output, through the output layer)."""
-    from nemo_rl_mtp.models.megatron.module_modes import eval_mode
+    from nemo_rl_mtp.training.module_modes import eval_mode
 
     with eval_mode(policy.model.module), torch.no_grad():
         return forward_logits(policy, tokens, loss_mask.float())
@@ -149,8 +149,8 @@ def forward_logits(policy, tokens: torch.Tensor, loss_mask: torch.Tensor | None)
     mode: the policy's logits [B, S, V] and each MTP depth's [B, S, V] (the MTP block's output
     through the output layer, with the weight megatron's MTP loss uses: the shared embedding when
     tied, detached for detached heads)."""
-    from nemo_rl_mtp.models.megatron import cpu_runtime
-    from nemo_rl_mtp.models.megatron.data import causal_attention_mask
+    from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
+    from nemo_rl_mtp.training.batches import causal_attention_mask
 
     model = policy.model.module
     rows, length = tokens.shape

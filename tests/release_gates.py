@@ -18,8 +18,8 @@ import importlib
 
 import pytest
 
-from nemo_rl_mtp.models.generation.engine_release import megatron_release
-from nemo_rl_mtp.utils.config import ConfigError, load_config
+from nemo_rl_mtp.megatron_compat.engine_release import megatron_release
+from nemo_rl_mtp.config.load import ConfigError, load_config
 from tests.helpers import DEFAULT_RECIPE, tiny_config
 
 # pyproject allows megatron-core < 0.20: every gate is open on 0.19.
@@ -104,6 +104,6 @@ def on_this_release(what: str) -> str:
 def requires_megatron_bridge() -> pytest.MarkDecorator:
     """Skip marker for tests of Hugging Face checkpoints: megatron-bridge does not import on every
     release (the product's own probe, which imports the bridge: call it only where it is used)."""
-    from nemo_rl_mtp.models.megatron.compat.megatron_bridge import bridge_unavailable
+    from nemo_rl_mtp.megatron_compat.megatron_bridge import bridge_unavailable
 
     return _skip_marker(bridge_unavailable())

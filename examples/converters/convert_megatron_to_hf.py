@@ -15,8 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
-from nemo_rl_mtp.utils.config import ConfigError, load_saved_config
-from nemo_rl_mtp.utils.console import EXIT_CONFIG_ERROR, EXIT_ERROR, one_line, quiet_third_party_output
+from nemo_rl_mtp.config.load import ConfigError, load_saved_config
+from nemo_rl_mtp.reporting.console import EXIT_CONFIG_ERROR, EXIT_ERROR, one_line, quiet_third_party_output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_saved_config(args.config)
-        from nemo_rl_mtp.models.megatron.export import export_run_checkpoint
+        from nemo_rl_mtp.training.hf_export import export_run_checkpoint
 
         out = export_run_checkpoint(cfg, Path(args.megatron_ckpt_path), Path(args.hf_ckpt_path))
     except ConfigError as error:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_mtp.utils.logger import read_metrics
+from nemo_rl_mtp.reporting.logger import read_metrics
 from tests.helpers import SMALL_GRPO_STEP
-from tests.unit.models.generation.engine_cases import drafts_where_possible
+from tests.unit.rollout.engine_cases import drafts_where_possible
 
 pytestmark = pytest.mark.slow
 
@@ -199,8 +199,8 @@ def test_under_uv_run_workers_use_the_driver_environment_and_sigterm_exits_143_i
 
 def test_a_run_directory_without_checkpoint_is_refused_unless_overwritten(log_dir):
     """Refused before any worker starts; ``--overwrite`` clears the directory for the new run."""
-    from nemo_rl_mtp.algorithms.grpo import prepare_run_directory
-    from nemo_rl_mtp.utils.checkpoint import CheckpointDirectory
+    from nemo_rl_mtp.grpo.loop import prepare_run_directory
+    from nemo_rl_mtp.grpo.run import CheckpointDirectory
 
     earlier = log_dir / "earlier"
     earlier.mkdir()

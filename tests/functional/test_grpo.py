@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_mtp.utils.logger import read_metrics
-from nemo_rl_mtp.utils.plot import plot_run
+from nemo_rl_mtp.reporting.logger import read_metrics
+from nemo_rl_mtp.reporting.plot import plot_run
 from tests.helpers import SMALL_GRPO_STEP, run_grpo
 from tests.release_gates import RunsByName, command_refusal
-from tests.unit.models.generation.engine_cases import requires_speculation
+from tests.unit.rollout.engine_cases import requires_speculation
 from tests.wandb_offline import offline_history
 
 pytestmark = pytest.mark.slow
@@ -76,8 +76,8 @@ def runs(tmp_path_factory):
     }
     import ray
 
-    from nemo_rl_mtp.distributed.ray_cluster import init_ray
-    from nemo_rl_mtp.utils.config import load_config
+    from nemo_rl_mtp.cluster.ray_cluster import init_ray
+    from nemo_rl_mtp.config.load import load_config
 
     init_ray(load_config().cluster)  # one local instance for every run of this module
     try:  # stopped whatever happens: a failed run must not leave it to the next module's tests

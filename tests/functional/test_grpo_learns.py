@@ -8,10 +8,10 @@ import statistics
 
 import pytest
 
-from nemo_rl_mtp.utils.config import load_config
-from nemo_rl_mtp.utils.logger import read_metrics
+from nemo_rl_mtp.config.load import load_config
+from nemo_rl_mtp.reporting.logger import read_metrics
 from tests.helpers import DEFAULT_RECIPE, run_grpo
-from tests.unit.models.generation.engine_cases import speculation_skip_reason
+from tests.unit.rollout.engine_cases import speculation_skip_reason
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nemo_rl_mtp.utils.logger import read_metrics
+from nemo_rl_mtp.reporting.logger import read_metrics
 from tests.functional.test_fault_injection import TIMING_KEYS, _kill_when
 from tests.hf_reference import load_hf_model
 from tests.helpers import SMALL_GRPO_STEP, run_grpo
@@ -72,8 +72,8 @@ def runs(files):
     }
     import ray
 
-    from nemo_rl_mtp.distributed.ray_cluster import init_ray
-    from nemo_rl_mtp.utils.config import load_config
+    from nemo_rl_mtp.cluster.ray_cluster import init_ray
+    from nemo_rl_mtp.config.load import load_config
 
     init_ray(load_config().cluster)
     try:  # stopped whatever happens: a failed run must not leave it to the next module's tests

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from nemo_rl_mtp.utils.logger import read_metrics
+from nemo_rl_mtp.reporting.logger import read_metrics
 from tests.helpers import SMALL_GRPO_STEP, free_port
 
 pytestmark = pytest.mark.slow
@@ -95,8 +95,8 @@ def test_without_an_address_a_run_starts_its_own_ray_whatever_an_earlier_one_lef
     join it (about 100 s of waiting, then an error). The driver's Ray start, in a process of its own."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
     script = (
-        "from nemo_rl_mtp.distributed.ray_cluster import init_ray, shutdown_ray\n"
-        "from nemo_rl_mtp.utils.config import load_config\n"
+        "from nemo_rl_mtp.cluster.ray_cluster import init_ray, shutdown_ray\n"
+        "from nemo_rl_mtp.config.load import load_config\n"
         "init_ray(load_config().cluster)\n"
         "import ray; print('CPUs', ray.cluster_resources()['CPU'])\n"
         "shutdown_ray()\n"

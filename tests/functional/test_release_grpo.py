@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_mtp.utils.logger import read_metrics
+from nemo_rl_mtp.reporting.logger import read_metrics
 from tests.helpers import SMALL_GRPO_STEP
 
 pytestmark = pytest.mark.slow

@@ -27,11 +27,11 @@ import mtp_release_matrix  # noqa: E402
 
 RELEASES = os.environ.get("NEMO_RL_MTP_RELEASES", " ".join(mtp_release_matrix.DEFAULT_RELEASES)).split()
 MTP_TEST_FILES = [
-    "tests/unit/models/megatron/test_mtp_training_step.py",
-    "tests/unit/models/megatron/test_compat.py",
-    "tests/unit/models/megatron/test_setup.py",
-    "tests/unit/models/megatron/test_mtp_distribution_losses.py",
-    "tests/unit/models/megatron/test_mtp_frozen.py",
+    "tests/unit/training/test_mtp_training_step.py",
+    "tests/unit/megatron_compat/test_compat.py",
+    "tests/unit/training/test_setup.py",
+    "tests/unit/training/test_mtp_distribution_losses.py",
+    "tests/unit/training/test_mtp_frozen.py",
 ]
 
 
@@ -46,9 +46,9 @@ def test_every_release_matches_0_19_2():
         assert case["metrics"]["mtp/grad_norm"] > 0
 
 
-COMPAT = "tests/unit/models/megatron/test_compat.py"
-SETUP = "tests/unit/models/megatron/test_setup.py"
-DISTRIBUTION = "tests/unit/models/megatron/test_mtp_distribution_losses.py"
+COMPAT = "tests/unit/megatron_compat/test_compat.py"
+SETUP = "tests/unit/training/test_setup.py"
+DISTRIBUTION = "tests/unit/training/test_mtp_distribution_losses.py"
 LOSSES = ("soft_cross_entropy", "total_variation")
 # The release-specific tests of MTP_TEST_FILES and the releases (major.minor) they must run on,
 # written out from the measured matrix (what each release has), not from the tests' skip conditions.

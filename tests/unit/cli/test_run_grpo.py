@@ -1,4 +1,4 @@
-"""The package's GRPO command (``nemo_rl_mtp.cli.run_grpo``): the recipe a run without ``--config``
+"""The package's GRPO command (``nemo_rl_mtp.cli``): the recipe a run without ``--config``
 loads is the one its caller names, and the command runs from outside the checkout."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_mtp.cli.run_grpo import main
-from nemo_rl_mtp.utils.console import EXIT_CONFIG_ERROR
+from nemo_rl_mtp.cli import main
+from nemo_rl_mtp.reporting.console import EXIT_CONFIG_ERROR
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_without_config_the_callers_default_recipe_is_loaded(tmp_path, capsys, s
 def test_the_command_runs_outside_the_checkout(tmp_path, entry):
     """``python -m`` and the installed ``nemo-rl-mtp-grpo`` command (``[project.scripts]``), from
     another directory: no recipe by default (the packaged exemplar alone)."""
-    command = [sys.executable, "-m", "nemo_rl_mtp.cli.run_grpo"] if entry == "python -m" else [str(Path(sys.executable).parent / "nemo-rl-mtp-grpo")]
+    command = [sys.executable, "-m", "nemo_rl_mtp.cli"] if entry == "python -m" else [str(Path(sys.executable).parent / "nemo-rl-mtp-grpo")]
     shown = subprocess.run([*command, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "default: None; None: the packaged exemplar alone" in " ".join(shown.stdout.split())
     refused = subprocess.run([*command, "grpo.num_prompts_per_step=0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

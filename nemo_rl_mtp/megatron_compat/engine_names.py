@@ -1,0 +1,338 @@
+"""The private names of megatron-core's inference engine that the generation path overrides or
+reads, probed once per engine build against the installed release.
+
+Our controllers override private controller methods (megatron calls them from its step) and read
+private attributes; our engine subclass bumps a private counter; the drafters read the step's
+decoder hidden states where megatron keeps them. A release that renames one would not fail: an
+override that is never called leaves megatron's own behaviour in place (drafts from one position,
+exact-match verification, counts nobody keeps), silently. So every name, and the parameters of
+every method we override or call, is checked when an engine is built, for what the configuration
+uses (:func:`check_engine_names`): a missing or changed one stops the build in one line naming it.
+
+Where releases differ, each alternative is probed and the one found is used (logged at the build):
+
+- the step's decoder hidden states (sequence and incremental drafts): the inference context's
+  ``mtp_decoder_hidden_states`` (0.19) or the model's ``_decoder_hidden_states_cache`` (0.17,
+  0.18);
+- the verification rows (rejection sampling): the sampling backend's ``sample_speculative``
+  (0.18, 0.19) or the controller's ``_sample_speculative_logits`` (0.17);
+- the sampling distribution (rejection sampling): the backend's ``log_probs_kernel`` (0.19), or
+  :func:`sampling_log_probs`, megatron's torch filters written out, where a probe finds the
+  release's sampler drawing exactly from it (0.17, 0.18).
+
+Names we could derive from public ones are derived instead of read: the unwrapped model, the last
+pipeline stage, sequence parallelism and the number of draft depths.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Controller methods we override (mixins) or call, with the leading parameters our overrides
+# take by position; ``_verify_speculative_tokens``'s are read by name (their order differs by
+# release: VERIFY_PARAMETERS).
+COUNTING_METHODS = {"_dynamic_step_sample_logits_and_verify_tokens": []}
+DRAFTING_METHODS = {"_compute_serial_mtp_and_sample": []}
+REJECTION_SAMPLING_METHODS = {"_compute_serial_mtp_and_sample": [], "_sample_from_logits_2d": ["logits_2d"]}
+VERIFY_PARAMETERS = {"_verify_speculative_tokens": ["output_tokens", "input_tokens_required", "num_decode_requests"]}
+# Controller attributes we read (set by megatron's constructor).
+COUNTING_ATTRIBUTES = ("_accepted_tokens_per_request", "sampling_rng")
+DRAFTING_ATTRIBUTES = ("_last_accepted_seq_indices",)
+REJECTION_SAMPLING_ATTRIBUTES = ("sampling_rng",)
+ENGINE_METHODS = {
+    "post_process_requests": ["request_ids", "finished_request_ids", "evict_request_ids", "step_time", "sample", "accepted_tokens"],
+}
+ENGINE_ATTRIBUTES = ("_spec_steps", "num_speculative_tokens")
+MODEL_METHODS = {"_scale_logits": ["logits"], "compute_mtp_single_step": ["hidden_states", "next_token_ids", "position_ids", "depth"]}
+MTP_LAYER_METHODS = {"forward_single_position": ["hidden_states", "next_token_ids", "position_ids", "embedding"]}
+# The verification rows' sampling, by the backend (0.18 on) or the controller (0.17).
+BACKEND_SAMPLE_SPECULATIVE = ["required_logits", "num_decode", "num_prefill", "num_speculative_tokens", "context"]
+CONTROLLER_SAMPLE_SPECULATIVE = ["required_logits", "request_in_prefill_status_tensor"]
+BACKEND_LOG_PROBS = ["logits", "context"]
+
+
+def class_names_changed(model, generation_cfg) -> list[str]:
+    """Names (with what is wrong) the generation path, as ``generation_cfg`` configures it, needs
+    from megatron's classes (controller, model, MTP layer): checked before an engine is built,
+    since building one already calls some of them."""
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+
+    problems = _methods(TextGenerationController, COUNTING_METHODS, "controller")
+    if generation_cfg.spec_verification == "rejection_sampling":
+        problems += _methods(TextGenerationController, REJECTION_SAMPLING_METHODS, "controller")
+        problems += _methods(TextGenerationController, VERIFY_PARAMETERS, "controller", by_name=True)
+    if getattr(model, "mtp", None) is not None and generation_cfg.draft_context != "single_position":
+        problems += _methods(TextGenerationController, DRAFTING_METHODS, "controller")
+        problems += _methods(type(model), MODEL_METHODS, "model")
+        problems += _methods(type(model.mtp.layers[0]), MTP_LAYER_METHODS, "MTP layer")
+    return list(dict.fromkeys(problems))
+
+
+def changed_names(engine, generation_cfg) -> list[str]:
+    """Names (with what is wrong) the generation path, as ``generation_cfg`` configures it, needs
+    from the built ``engine`` and the installed release lacks. Nothing without speculation."""
+    if not getattr(engine.controller, "num_speculative_tokens", 0):
+        return []
+    controller = engine.controller
+    model = unwrapped_model(controller)
+    problems = class_names_changed(model, generation_cfg)
+    problems += _attributes(controller, COUNTING_ATTRIBUTES, "controller")
+    problems += _methods(_megatron_class(engine), ENGINE_METHODS, "engine")
+    problems += _attributes(engine, ENGINE_ATTRIBUTES, "engine")
+    if generation_cfg.spec_verification == "rejection_sampling":
+        problems += _attributes(controller, REJECTION_SAMPLING_ATTRIBUTES, "controller")
+        problems += [] if verification_rows_hook(controller) else [_missing_verification_rows()]
+    if getattr(model, "mtp", None) is not None and generation_cfg.draft_context != "single_position":
+        problems += _attributes(controller, DRAFTING_ATTRIBUTES, "controller")
+        problems += [] if decoder_hidden_source(controller) else [_missing_hidden_states()]
+    return list(dict.fromkeys(problems))
+
+
+def check_class_names(model, generation_cfg, num_speculative_tokens: int) -> None:
+    """Before an engine with drafts is built: raise naming every class member it needs that the
+    installed release does not have (:func:`class_names_changed`)."""
+    if num_speculative_tokens:
+        _raise_if_changed(class_names_changed(model, generation_cfg))
+
+
+def _raise_if_changed(problems: list[str]) -> None:
+    if problems:
+        from nemo_rl_mtp.megatron_compat.engine_release import megatron_release
+
+        raise RuntimeError(
+            f"{megatron_release()}: the speculation path of the rollout engine relies on names this release changed: "
+            f"{'; '.join(problems)}. Set policy.generation.num_speculative_tokens=0, or adapt "
+            "nemo_rl_mtp/rollout and nemo_rl_mtp/megatron_compat to the release"
+        )
+
+
+def check_engine_names(engine, generation_cfg) -> None:
+    """Raise naming every private name of megatron-core the generation path needs and the
+    installed release does not have (module docstring); log which alternatives are in use."""
+    _raise_if_changed(changed_names(engine, generation_cfg))
+    controller = engine.controller
+    if not getattr(controller, "num_speculative_tokens", 0):
+        return
+    used = []
+    if generation_cfg.spec_verification == "rejection_sampling":
+        used.append(f"verification rows from {verification_rows_hook(controller)}")
+    if generation_cfg.draft_context != "single_position" and getattr(unwrapped_model(controller), "mtp", None) is not None:
+        used.append(f"decoder hidden states from {decoder_hidden_source(controller)}")
+    if used:
+        logger.info("rollout engine: %s", ", ".join(used))
+
+
+# --- Names derived from public ones -----------------------------------------------------------
+
+
+def unwrapped_model(controller):
+    """The GPTModel under the controller's inference wrapper."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(controller.inference_wrapped_model.model)
+
+
+def is_last_pipeline_stage(controller) -> bool:
+    from megatron.core.inference.communication_utils import is_pipeline_last_stage
+
+    return is_pipeline_last_stage(controller.pp_group)
+
+
+def sequence_parallel_across_ranks(controller) -> bool:
+    """Whether the step's activations are scattered over tensor-parallel ranks."""
+    from megatron.core import parallel_state
+
+    return bool(controller.model_config.sequence_parallel) and parallel_state.get_tensor_model_parallel_world_size() > 1
+
+
+def draft_depths(model, num_speculative_tokens: int) -> int:
+    """MTP depths megatron's draft loop runs with k drafts per step: k for a repeated layer (the
+    configuration check keeps k within the layers where the controller cannot do more), else at
+    most one per MTP layer."""
+    if not num_speculative_tokens or getattr(model, "mtp", None) is None:
+        return 0
+    return num_speculative_tokens if model.mtp.mtp_use_repeated_layer else min(num_speculative_tokens, len(model.mtp.layers))
+
+
+# --- Alternatives, probed -------------------------------------------------------------------
+
+
+def decoder_hidden_source(controller) -> str | None:
+    """Where the installed release keeps the step's decoder output for its draft step:
+    ``context.mtp_decoder_hidden_states`` or ``model._decoder_hidden_states_cache`` (None: neither)."""
+    from nemo_rl_mtp.megatron_compat.engine_release import attributes_set_by
+
+    if hasattr(controller.inference_wrapped_model.inference_context, "mtp_decoder_hidden_states"):
+        return "context.mtp_decoder_hidden_states"
+    if "_decoder_hidden_states_cache" in attributes_set_by(type(unwrapped_model(controller))):
+        return "model._decoder_hidden_states_cache"
+    return None
+
+
+def step_decoder_hidden(controller):
+    """The step's decoder output [T, 1, H] (scattered under sequence parallelism), or None where
+    this pipeline stage has none."""
+    context = controller.inference_wrapped_model.inference_context
+    if decoder_hidden_source(controller) == "context.mtp_decoder_hidden_states":
+        return context.mtp_decoder_hidden_states
+    return getattr(unwrapped_model(controller), "_decoder_hidden_states_cache", None)
+
+
+def _missing_hidden_states() -> str:
+    return "the step's decoder hidden states (neither context.mtp_decoder_hidden_states nor model._decoder_hidden_states_cache)"
+
+
+def sampling_backend(controller):
+    """megatron's sampling backend of the controller (0.18 on; None before), under rejection
+    sampling's wrapper where it is installed."""
+    backend = getattr(controller, "_sampling", None)
+    return getattr(backend, "_backend", backend)
+
+
+def verification_rows_hook(controller) -> str | None:
+    """How the installed controller samples its verification rows: ``sampling
+    backend.sample_speculative`` or ``controller._sample_speculative_logits`` (None: neither, with
+    the parameters rejection sampling replaces)."""
+    backend = sampling_backend(controller)
+    if backend is not None and _takes(getattr(type(backend), "sample_speculative", None), BACKEND_SAMPLE_SPECULATIVE):
+        return "sampling backend.sample_speculative"
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+
+    if _takes(getattr(TextGenerationController, "_sample_speculative_logits", None), CONTROLLER_SAMPLE_SPECULATIVE):
+        return "controller._sample_speculative_logits"
+    return None
+
+
+def _missing_verification_rows() -> str:
+    return (
+        "the sampling of the verification rows (neither controller._sampling.sample_speculative"
+        f"{BACKEND_SAMPLE_SPECULATIVE} nor controller._sample_speculative_logits{CONTROLLER_SAMPLE_SPECULATIVE})"
+    )
+
+
+def native_log_probs(controller):
+    """The sampling backend's ``log_probs_kernel`` (0.19), or None."""
+    backend = sampling_backend(controller)
+    method = getattr(type(backend), "log_probs_kernel", None) if backend is not None else None
+    return getattr(backend, "log_probs_kernel") if _takes(method, BACKEND_LOG_PROBS) else None
+
+
+def sampling_log_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Log-probs ``[N, V]`` of the distribution megatron-core's torch sampler draws from for
+    ``logits`` ``[N, V]``: divided by the temperature, outside the top-k (top-k > 0) or outside
+    the nucleus (top-p > 0; the first token past it kept) -inf, softmax. top-k 1 is its argmax.
+    For releases whose backend has no ``log_probs_kernel``; :func:`release_sampler_agrees` checks
+    it against the release's own sampler."""
+    logits = logits.float()
+    if top_k == 1:
+        return torch.full_like(logits, float("-inf")).scatter(1, logits.argmax(dim=-1, keepdim=True), 0.0)
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k > 1:
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k)[0][..., -1, None], float("-inf"))
+    elif top_p > 0.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        beyond = sorted_logits.softmax(dim=-1).cumsum(dim=-1) > top_p
+        beyond = torch.cat([torch.zeros_like(beyond[:, :1]), beyond[:, :-1]], dim=1)
+        logits = logits.masked_fill(beyond.scatter(1, order, beyond), float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+PROBE_SAMPLING = ((1.0, 0, 0.0), (0.7, 5, 0.0), (1.0, 0, 0.8), (1.0, 1, 0.0))
+
+
+def release_sampler(controller):
+    """The installed release's torch sampling function ``(logits, temperature, top_k, top_p,
+    generator) -> tokens``, or None: the backend's ``sample_from_logits`` (0.18, 0.19) or the
+    controller's ``_torch_sampling_func`` (0.17, which draws from ``sampling_rng``)."""
+    backend = sampling_backend(controller)
+    sample = getattr(type(backend), "sample_from_logits", None) if backend is not None else None
+    if _takes(sample, ["last_token_logits", "temperature", "top_k", "top_p"]):
+        return lambda logits, t, k, p, generator: sample(logits, t, k, p, generator=generator)
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+
+    sample = getattr(TextGenerationController, "_torch_sampling_func", None)
+    if _takes(sample, ["last_token_logits", "temperature", "top_k", "top_p"]):
+
+        def drawn_with(logits, t, k, p, generator):
+            saved = controller.sampling_rng
+            controller.sampling_rng = generator
+            try:
+                return sample(controller, logits, t, k, p)
+            finally:
+                controller.sampling_rng = saved
+
+        return drawn_with
+    return None
+
+
+def release_sampler_agrees(controller) -> tuple[bool, str]:
+    """Probe: the release's sampler and a draw from :func:`sampling_log_probs` pick the same
+    tokens from the same generator state, on 64 random rows of 24 ids, for each of
+    ``PROBE_SAMPLING``'s (temperature, top-k, top-p)."""
+    sample = release_sampler(controller)
+    if sample is None:
+        return False, "no torch sampling function found (neither sampling backend.sample_from_logits nor controller._torch_sampling_func)"
+    logits = torch.randn(64, 24, generator=torch.Generator().manual_seed(0)) * 3
+    for temperature, top_k, top_p in PROBE_SAMPLING:
+        theirs = sample(logits.clone(), temperature, top_k, top_p, torch.Generator().manual_seed(1))
+        probs = sampling_log_probs(logits, temperature, top_k, top_p).exp()
+        ours = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(1)).view(-1)
+        if not torch.equal(theirs.view(-1).cpu(), ours):
+            return False, f"the release's sampler draws differently at temperature {temperature}, top-k {top_k}, top-p {top_p}"
+    return True, "the release's sampler draws exactly from its temperature/top-k/top-p distribution"
+
+
+# --- Checks ------------------------------------------------------------------------------------
+
+
+def _megatron_class(instance) -> type:
+    """The first class in ``instance``'s MRO that megatron-core defines (ours subclass it)."""
+    return next(cls for cls in type(instance).__mro__ if cls.__module__.startswith("megatron."))
+
+
+def _takes(method, leading: list[str]) -> bool:
+    if method is None:
+        return False
+    parameters = [name for name in inspect.signature(method).parameters if name != "self"]
+    return parameters[: len(leading)] == leading
+
+
+def _attributes(instance, names, owner: str) -> list[str]:
+    return [f"{owner}.{name} (attribute)" for name in names if not hasattr(instance, name)]
+
+
+def _methods(cls: type, expected: dict[str, list[str]], owner: str, by_name: bool = False) -> list[str]:
+    """Problems with ``cls``'s methods: gone, or parameters changed (the expected ones leading,
+    in order; anywhere with ``by_name``)."""
+    problems = []
+    for name, needed in expected.items():
+        method = getattr(cls, name, None)
+        if method is None:
+            problems.append(f"{owner}.{name} (gone)")
+            continue
+        parameters = [parameter for parameter in inspect.signature(method).parameters if parameter != "self"]
+        if not (set(needed) <= set(parameters) if by_name else parameters[: len(needed)] == needed):
+            problems.append(f"{owner}.{name} (parameters now {parameters})")
+    return problems
+
+
+def inference_mode_flag():
+    """megatron's process-wide ``InferenceMode`` flag (0.18 on: the models read it to tell an
+    engine's forward from a training one), or None where the release has none (0.16, 0.17: the
+    models decide by ``not self.training`` with an inference context, so eval mode is the flag)."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        return None
+    if not all(callable(getattr(InferenceMode, name, None)) for name in ("is_active", "set_active", "unset_active")):
+        raise RuntimeError(
+            "megatron-core's InferenceMode no longer has is_active/set_active/unset_active; the rollouts cannot "
+            "set and restore it (nemo_rl_mtp/megatron_compat/engine_names.py)"
+        )
+    return InferenceMode

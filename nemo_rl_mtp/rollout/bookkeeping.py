@@ -1,0 +1,195 @@
+"""megatron-core's per-request speculative bookkeeping, done once per step for the whole batch.
+
+After each step megatron's engine walks the batch's requests in Python
+(``DynamicInferenceEngine.post_process_requests``): it appends each request's tokens and, with
+speculation, merges its accepted drafts in front of the new token and counts proposed and
+accepted drafts per position with four small tensor operations per request. With 32 requests
+that cost a speculative step about 0.6 ms on a CPU, as much as a decode step's sampling and
+verification together. Here:
+
+- :class:`AcceptanceCounts` (a controller mixin) counts drafts per position for the whole batch
+  right after verification, from the accepted counts the controller already holds: each decode
+  request proposes k drafts; draft i is accepted when the first i + 1 are;
+- :class:`SpeculativeBookkeepingEngine` hands megatron's walk each request's merged tokens
+  (accepted drafts, then the new token) and runs it as for a step without speculation, which
+  appends them and counts nothing. Requests with stop words (whose trimming changes what counts)
+  take megatron's own path;
+- :func:`install_vectorised_rewind` (a compat patch) replaces the controller's KV-cache rewind,
+  a Python loop over requests in ``mtp_utils_pytorch`` that megatron runs on the host on every
+  machine, with :func:`kernels.rewind_kv_cache`.
+
+All are tested against megatron's own bookkeeping: same rollouts, same counts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+
+from nemo_rl_mtp.rollout import kernels
+
+logger = logging.getLogger(__name__)
+
+
+class AcceptanceCounts:
+    """Mixin for megatron's ``TextGenerationController``: drafts proposed and accepted per
+    position ``[k]`` since :meth:`reset_acceptance_counts`, counted once per step on the device
+    of the accepted drafts (read on the host only with :meth:`acceptance_counts`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reset_acceptance_counts()
+
+    def reset_acceptance_counts(self) -> None:
+        # megatron's accepted drafts (checked after the build: engine_compat.check_engine_names)
+        accepted = getattr(self, "_accepted_tokens_per_request", None)
+        device = accepted.device if accepted is not None else torch.device("cpu")
+        self.drafts_proposed = torch.zeros(self.num_speculative_tokens, dtype=torch.int64, device=device)
+        self.drafts_accepted = torch.zeros(self.num_speculative_tokens, dtype=torch.int64, device=device)
+
+    def acceptance_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of (proposed, accepted) per draft position."""
+        return self.drafts_proposed.cpu(), self.drafts_accepted.cpu()
+
+    def _dynamic_step_sample_logits_and_verify_tokens(self, *args, **kwargs) -> None:
+        """After megatron's verification: its accepted drafts ``[>= decode requests, k]`` are each
+        decode request's accepted prefix, -1 after it, so draft i is accepted where column i is
+        not -1."""
+        super()._dynamic_step_sample_logits_and_verify_tokens(*args, **kwargs)
+        num_decode = self.inference_wrapped_model.inference_context.num_decode_requests
+        if num_decode == 0:
+            return
+        self.drafts_proposed += num_decode
+        self.drafts_accepted += (self._accepted_tokens_per_request[:num_decode] != -1).sum(dim=0)
+
+
+class _TokenRows:
+    """Per request, the tokens a step appends, where megatron's walk expects ``sample`` (it
+    reads it with ``tolist()``)."""
+
+    def __init__(self, rows: list[list[int]]):
+        self.rows = rows
+
+    def tolist(self) -> list[list[int]]:
+        return self.rows
+
+
+def merged_tokens(accepted_tokens: torch.Tensor, sample: torch.Tensor) -> list[list[int]]:
+    """Per request (row of ``sample`` [R]), its accepted drafts (``accepted_tokens`` [>= R, k],
+    a prefix of each row; -1 after it) followed by the new token."""
+    num_requests = sample.shape[0]
+    accepted = accepted_tokens[:num_requests].to(sample.device)
+    lengths = (accepted != -1).sum(dim=1) + 1
+    tokens = torch.cat([accepted, sample[:, None].to(accepted.dtype)], dim=1)
+    columns = torch.arange(tokens.shape[1], device=tokens.device)
+    tokens = torch.where(columns[None, :] < lengths[:, None] - 1, tokens, sample[:, None].to(tokens.dtype))
+    return [row[:length] for row, length in zip(tokens.tolist(), lengths.tolist())]
+
+
+class RequestSamplingNotes(DynamicInferenceEngine):
+    """megatron's engine that tells its controller each request's sampling parameters as it is
+    added (a controller with ``note_request_sampling``): on releases whose sampling backend has no
+    ``log_probs_kernel``, rejection sampling writes the distribution out from them, without reading
+    megatron's per-request metadata back from the device every step."""
+
+    def add_request(self, request_id, prompt, sampling_params=None, *args, **kwargs):
+        if sampling_params is not None and hasattr(self.controller, "note_request_sampling"):
+            self.controller.note_request_sampling(sampling_params)
+        return super().add_request(request_id, prompt, sampling_params, *args, **kwargs)
+
+    def reset(self) -> None:
+        super().reset()
+        if hasattr(self.controller, "note_request_sampling"):
+            self.controller.request_sampling = None
+
+
+class SpeculativeBookkeepingEngine(RequestSamplingNotes):
+    """megatron's engine whose per-request walk after a speculative step merges and counts
+    nothing itself (module docstring); the controller must count (:class:`AcceptanceCounts`)."""
+
+    def add_request(self, request_id, prompt, sampling_params=None, *args, **kwargs):
+        if sampling_params is not None and getattr(sampling_params, "stop_words", None):
+            self.requests_with_stop_words = True
+        return super().add_request(request_id, prompt, sampling_params, *args, **kwargs)
+
+    def reset(self) -> None:
+        super().reset()
+        self.requests_with_stop_words = False
+        if isinstance(self.controller, AcceptanceCounts):
+            self.controller.reset_acceptance_counts()
+
+    def post_process_requests(self, request_ids, finished_request_ids, evict_request_ids, step_time, sample, accepted_tokens, *args, **kwargs):
+        if accepted_tokens is None or self.num_speculative_tokens == 0 or self.requests_with_stop_words:
+            return super().post_process_requests(request_ids, finished_request_ids, evict_request_ids, step_time, sample, accepted_tokens, *args, **kwargs)
+        rows = _TokenRows(merged_tokens(accepted_tokens, sample))
+        self._spec_steps += 1
+        num_speculative_tokens, self.num_speculative_tokens = self.num_speculative_tokens, 0
+        try:
+            return super().post_process_requests(request_ids, finished_request_ids, evict_request_ids, step_time, rows, None, *args, **kwargs)
+        finally:
+            self.num_speculative_tokens = num_speculative_tokens
+
+
+def vectorised_rewind_probe() -> tuple[bool, str]:
+    """Whether the controller still rewinds with megatron's per-request loop, which the vectorised
+    rewind reproduces (same parameters; same results on a random batch). Upstream changing the
+    function, its signature or its results switches the patch off."""
+    from megatron.core.inference.text_generation_controllers import text_generation_controller
+
+    current = getattr(text_generation_controller, "rewind_kv_cache", None)
+    if current is kernels.rewind_kv_cache:
+        return True, "installed earlier in this process"
+    if current is None:
+        return False, "megatron's controller calls no rewind_kv_cache (it rewinds in its own method): nothing to vectorise"
+    from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch
+
+    if current is not getattr(mtp_utils_pytorch, "rewind_kv_cache", None):
+        return False, "the controller rewinds with something other than mtp_utils_pytorch's loop (upstream changed it)"
+    ours, theirs = inspect.signature(kernels.rewind_kv_cache), inspect.signature(current)
+    if list(ours.parameters) != list(theirs.parameters):
+        return False, f"rewind_kv_cache's parameters changed upstream: {list(theirs.parameters)}"
+    if not _same_rewind(current):
+        return False, "rewind_kv_cache's results changed upstream (a random batch disagrees with the vectorised one)"
+    return True, "the controller rewinds with mtp_utils_pytorch's per-request loop"
+
+
+def _same_rewind(reference) -> bool:
+    """Both rewinds on one random batch of 8 requests (k = 2, blocks of 4 tokens)."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 20, (8,), generator=generator)
+    counts = (lengths + 3) // 4
+    table = torch.full((8, 6), -1, dtype=torch.int32)
+    for row in range(8):
+        table[row, : counts[row]] = torch.arange(counts[row], dtype=torch.int32) + 6 * row
+    case = {
+        "accepted_counts": torch.randint(0, 3, (8,), generator=generator),
+        "prefill_status": torch.tensor([0, 0, 1, 0, 0, 0, 1, 0], dtype=torch.int32),
+        "last_kv_block_offset": ((lengths - 1) % 4).int(),
+        "kv_length_offsets": (lengths - 1).int(),
+        "kv_block_counts": counts.int(),
+        "last_kv_block_id": table[torch.arange(8), counts - 1].clone(),
+        "kv_block_ids": table,
+    }
+    copies = [{name: value.clone() for name, value in case.items()} for _ in range(2)]
+    expected = reference(**copies[0], num_speculative_tokens=2, block_size_tokens=4, num_active_requests=7)
+    got = kernels.rewind_kv_cache(**copies[1], num_speculative_tokens=2, block_size_tokens=4, num_active_requests=7)
+    same_buffers = all(torch.equal(copies[0][name], copies[1][name]) for name in case)
+    return same_buffers and all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def install_vectorised_rewind() -> bool:
+    """Point megatron's controller at the vectorised rewind where the probe says it is the same
+    computation; idempotent, logged. Returns whether it is in place."""
+    from megatron.core.inference.text_generation_controllers import text_generation_controller
+
+    needed, reason = vectorised_rewind_probe()
+    if not needed:
+        logger.warning("vectorised KV-cache rewind: not installed: %s", reason)
+        return False
+    if text_generation_controller.rewind_kv_cache is not kernels.rewind_kv_cache:
+        text_generation_controller.rewind_kv_cache = kernels.rewind_kv_cache
+        logger.info("vectorised KV-cache rewind installed: %s", reason)
+    return True

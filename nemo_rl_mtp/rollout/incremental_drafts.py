@@ -1,0 +1,299 @@
+"""MTP drafts from a KV cache of each MTP depth (``policy.generation.draft_context: incremental``,
+the default): the drafts of :mod:`sequence_drafts`, at the cost of a few positions per depth and
+step instead of the whole sequence.
+
+What the heads compute (training, and the sequence path): depth d (0-based) at position j combines
+its input hidden state at j (the decoder's output for d = 0, depth d - 1's output after) with the
+embedding of the token at j + d + 1, and its transformer layer attends causally over depth d's
+positions 0..j, with the model's rotary embedding at the true positions. A request that has V
+verified tokens (positions 0..V-1 in the trunk's KV cache) drafts from position V - 1: depth d's
+token there is the sampled token (d = 0) or draft d; so are the tokens of depth d's positions
+V - 1 - d .. V - 2, which the query at V - 1 attends to.
+
+So each depth keeps the keys and values of its attention for its *committed* positions, those
+whose inputs are all verified (j + d + 1 <= V - 1), on the engine's own KV blocks (the same block
+ids and offsets as the trunk's keys at j; a pool of ``[depths, 2, blocks, block size, heads,
+head dim]`` carved out of the engine's memory budget, see :func:`mtp_cache_share`). A draft round
+runs depth d over positions ``[c_d, V - 1]``, c_d = max(V_prev - 1 - d, 0) being the first position
+depth d has not committed (V_prev: the verified length at the previous round). Those are the
+positions verified since then (committed now) and the d + 1 positions that read the sampled token
+or drafts (written too, then overwritten at the next round, whose range starts there: no draft
+ever reads a key computed from a rejected token). Each depth's input at its first position comes
+from the previous round (a carry per request and depth, kept by request id); every other input is
+this round's: the decoder's hidden states of the step's accepted tokens, depth d - 1's outputs.
+
+The layer itself is megatron's (``MultiTokenPredictionLayer.forward_single_position``, as in
+:mod:`sequence_drafts`), over all requests' positions packed into one sequence, with its core
+attention swapped for the duration of the call for :class:`CachedDepthAttention`: it writes the
+positions' keys and values into the depth's cache and attends over the cache (the CPU paged
+attention of :mod:`paged_attention`, which reads only the blocks in use). Positions past a
+request's range are padding: their keys go to a scratch block and their outputs are never read.
+
+A draft costs (accepted tokens + d + 1) positions of one MTP layer per depth and step, independent
+of the sequence length but for attention's reads of the cache. Exact: every draft's logits equal
+the sequence path's (tested within 1e-5 at every step, through rejections and across requests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from nemo_rl_mtp.rollout.draft_rounds import (
+    DraftRoundsController,
+    mtp_layer,
+    output_logits,
+    pad_rows,
+    sequence_parallel_multiple,
+    with_drafter,
+)
+from nemo_rl_mtp.megatron_compat.cpu.paged_attention import paged_attention_over_pairs
+
+logger = logging.getLogger(__name__)
+
+
+def mtp_self_attention(layer):
+    """The self-attention module of an MTP layer's transformer layer, or None where the layer is
+    not one transformer layer with a swappable core attention (hybrid MTP patterns, MLA)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    found = [module for module in layer.modules() if isinstance(module, SelfAttention)]
+    if len(found) != 1 or not hasattr(found[0], "core_attention"):
+        return None
+    return found[0]
+
+
+def unsupported_reason(model) -> str | None:
+    """Why incremental drafts cannot serve this model (None: they can)."""
+    if getattr(model, "mtp", None) is None:
+        return None  # a pipeline stage without the MTP layers drafts nothing
+    for layer in model.mtp.layers:
+        attention = mtp_self_attention(layer)
+        if attention is None:
+            return "an MTP layer is not one transformer layer with self-attention"
+        if attention.config.multi_latent_attention:
+            return "MTP layers with multi-latent attention"
+    return None
+
+
+def mtp_cache_share(kv_layers: int, num_depths: int) -> float:
+    """The MTP caches' share of the engine's KV memory: per block, each MTP depth stores what one
+    attention layer stores (same heads and head size), so where the engine's context keeps keys
+    and values for ``kv_layers`` layers of this pipeline stage, the D depths' caches get
+    D / (kv_layers + D) of the budget and the engine the rest."""
+    if num_depths == 0:
+        return 0.0
+    return num_depths / (kv_layers + num_depths)
+
+
+class MTPKVCache:
+    """Keys and values of each MTP depth's attention: ``[D, 2, blocks + 1, block size, heads, head
+    dim]``, addressed by the engine's block ids (block ``blocks`` is scratch for padding)."""
+
+    def __init__(self, attention, num_depths: int, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        heads = attention.num_query_groups_per_partition
+        head_dim = attention.hidden_size_per_attention_head
+        self.block_size = block_size
+        self.scratch_block = num_blocks
+        self.buffer = torch.zeros(num_depths, 2, num_blocks + 1, block_size, heads, head_dim, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def slots(self, block_table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Flat cache slots ``[R, W]`` of positions ``[R, W]`` of the requests whose block rows are
+        ``block_table`` ``[R, max blocks]``; invalid positions go to the scratch block."""
+        column = (positions // self.block_size).clamp(0, block_table.shape[1] - 1)
+        blocks = block_table.gather(1, column).long()
+        blocks = torch.where(valid & (blocks >= 0), blocks, self.scratch_block)
+        return blocks * self.block_size + positions % self.block_size
+
+
+class CachedDepthAttention(torch.nn.Module):
+    """Core attention of one MTP depth over its cache, for one draft round: queries, keys and
+    values ``[R * W, 1, heads, head dim]`` of the packed positions (request-major); their keys and
+    values are written at ``slots`` and each position attends causally over its request's keys
+    0..position. Returns ``[R * W, 1, heads * head dim]``."""
+
+    def __init__(self, cache: torch.Tensor, layout: dict, softmax_scale: float):
+        super().__init__()
+        self.cache, self.layout, self.softmax_scale = cache, layout, softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        layout = self.layout
+        rows, width = layout["slots"].shape
+        count = rows * width
+        pairs = self.cache.view(2, -1, *self.cache.shape[3:])
+        pairs[:, layout["slots"].reshape(-1)] = torch.stack([key[:count, 0], value[:count, 0]]).to(pairs.dtype)
+        queries = query[:count, 0].reshape(rows, width, *query.shape[2:])
+        attended = paged_attention_over_pairs(
+            queries, layout["query_lengths"], self.cache, layout["block_table"], layout["key_lengths"], self.softmax_scale
+        )
+        output = attended.reshape(count, 1, -1)
+        missing = query.shape[0] - count  # rows padded for sequence parallelism
+        return torch.cat([output, output.new_zeros(missing, 1, output.shape[-1])]) if missing else output
+
+
+class IncrementalDrafts:
+    """Drafts from per-depth KV caches of the committed positions (module docstring)."""
+
+    def __init__(self, model, context, num_depths: int):
+        self.model = model
+        self.num_depths = num_depths
+        self.attentions = [mtp_self_attention(mtp_layer(model, depth)) for depth in range(num_depths)]
+        parameter = next(model.parameters())
+        self.cache = MTPKVCache(
+            self.attentions[0], num_depths, context.kv_block_allocator.total_count, context.block_size_tokens,
+            model.config.params_dtype, parameter.device,
+        )
+        self.rotary = None
+        if model.position_embedding_type == "rope":
+            self.rotary = model.rotary_pos_emb(context.max_sequence_length + num_depths + 1)
+        self.carries = None
+        self._round = None
+
+    def reset(self, num_request_ids: int) -> None:
+        """Before a rollout whose request ids are 0..num_request_ids - 1: no carries yet."""
+        hidden_size = self.model.config.hidden_size
+        self.carries = self.cache.buffer.new_zeros(num_request_ids, max(self.num_depths, 1), hidden_size)
+
+    def start_round(self, context, last_accepted: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Lay out the round from the step: per active request, where its step's tokens start,
+        how many were verified, and where each depth's range begins."""
+        if self.carries is None:
+            raise RuntimeError("incremental MTP drafts: reset(num_request_ids) before a rollout (RolloutEngine.generate does)")
+        device = hidden.device
+        active = slice(context.paused_request_count, context.total_request_count)
+        num_tokens = hidden.shape[0]
+        query_lengths = context.request_query_lengths[active].to(device)
+        starts = query_lengths.cumsum(0) - query_lengths
+        step_positions = context.token_to_pos_ids[:num_tokens].to(device)
+        first_position = step_positions[starts]
+        accepted = last_accepted.to(device) - starts + 1
+        # Both read the engine's host-side bookkeeping (megatron keeps it on the host): no device sync.
+        widest_step = self.num_depths + 1 if context.is_decode_only() else int(context.request_query_lengths[active].max())
+        blocks_in_use = int(context.request_kv_block_counts[active].max())
+        width = widest_step + 1  # + the carried position
+        columns = torch.arange(width + self.num_depths, device=device)
+        tape_index = (starts[:, None] + columns[None, :]).clamp(max=num_tokens - 1)
+        self._round = {
+            "request_ids": context.request_ids[active].to(device).long(),
+            "hidden": hidden[:, 0],
+            "starts": starts,
+            "first_position": first_position,
+            "verified": first_position + accepted,
+            "accepted": accepted,
+            "width": width,
+            "block_table": context.request_to_kv_block_ids[active, :blocks_in_use].to(device),
+            # The tokens from position first_position on: the step's, then the sampled token and drafts.
+            "tape": context.token_to_input_ids[:num_tokens].to(device)[tape_index],
+            "last_accepted": last_accepted.to(device),
+        }
+
+    def end_round(self) -> None:
+        self._round = None
+
+    def draft_step(self, next_token_ids: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depth ``depth`` over each request's range; ``next_token_ids`` [1, >= R] is the token at
+        position V (the sampled token at depth 0, draft ``depth`` after). Returns the hidden states
+        [R, 1, H] and logits [R, 1, V] at each request's last verified position V - 1."""
+        state = self._round
+        rows = torch.arange(state["verified"].shape[0], device=state["verified"].device)
+        state["tape"][rows, state["accepted"] + depth] = next_token_ids[0, : rows.numel()].to(state["tape"].device)
+        first, verified = state["first_position"], state["verified"]
+        start = (first - 1 - depth).clamp(min=0)
+        width = state["width"] + depth
+        positions = start[:, None] + torch.arange(width, device=start.device)[None, :]
+        valid = positions < verified[:, None]
+        hidden = self._depth_inputs(depth, start, positions)
+        tokens = state["tape"].gather(1, (positions + depth + 1 - first[:, None]).clamp(0, state["tape"].shape[1] - 1))
+        layout = {
+            "slots": self.cache.slots(state["block_table"], positions, valid),
+            "query_lengths": verified - start,
+            "key_lengths": verified,
+            "block_table": state["block_table"],
+        }
+        output = self._run_layer(depth, hidden, tokens, positions, layout)
+        state["previous_start"], state["previous_output"] = start, output  # the next depth's inputs
+        last = output[rows, verified - start - 1].unsqueeze(1)
+        return last, output_logits(self.model, last)
+
+    def _depth_inputs(self, depth: int, start: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[R, W, H]: depth ``depth``'s input hidden state at each position of its range: the carry
+        at a position the previous depth (or the step) does not cover, else this round's."""
+        state = self._round
+        ids = state["request_ids"]
+        if depth == 0:
+            covered_from = state["first_position"]
+            index = (state["starts"][:, None] + positions - covered_from[:, None]).clamp(0, state["hidden"].shape[0] - 1)
+            fresh = state["hidden"][index]
+        else:
+            covered_from = state["previous_start"]
+            index = (positions - covered_from[:, None]).clamp(0, state["previous_output"].shape[1] - 1)
+            fresh = state["previous_output"].gather(1, index[..., None].expand(-1, -1, state["previous_output"].shape[2]))
+        carried = positions < covered_from[:, None]
+        inputs = torch.where(carried[..., None], self.carries[ids, depth][:, None, :], fresh)
+        # The next round's carry for this depth: its input at position V - 1 - depth.
+        self.carries[ids, depth] = self._next_carry(depth)
+        return inputs
+
+    def _next_carry(self, depth: int) -> torch.Tensor:
+        state = self._round
+        if depth == 0:
+            return state["hidden"][state["last_accepted"]]
+        column = (state["verified"] - 1 - depth - state["previous_start"]).clamp(0, state["previous_output"].shape[1] - 1)
+        return state["previous_output"][torch.arange(column.numel(), device=column.device), column]
+
+    def _run_layer(self, depth: int, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, layout: dict) -> torch.Tensor:
+        """megatron's MTP layer for ``depth`` over the packed positions [R, W] (hidden [R, W, H]);
+        returns its output [R, W, H]."""
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+
+        model = self.model
+        rows, width, hidden_size = hidden.shape
+        count = rows * width
+        padded = -(-count // sequence_parallel_multiple(model)) * sequence_parallel_multiple(model)
+        packed = pad_rows(hidden.reshape(count, 1, hidden_size), padded)
+        flat_positions = pad_rows(positions.reshape(count), padded)
+        token_ids = pad_rows(tokens.reshape(count), padded)[None, :]
+        rotary = self.rotary[flat_positions.clamp(max=self.rotary.shape[0] - 1)] if self.rotary is not None else None
+        embedding_positions = (flat_positions + depth + 1).clamp(max=model.max_sequence_length - 1)[None, :]
+        if model.config.sequence_parallel:
+            packed = scatter_to_sequence_parallel_region(packed)
+        attention = self.attentions[depth]
+        core = CachedDepthAttention(self.cache.buffer[depth], layout, attention.core_attention.softmax_scale)
+        with _swapped_core_attention(attention, core):
+            output = mtp_layer(model, depth).forward_single_position(
+                hidden_states=packed,
+                next_token_ids=token_ids,
+                position_ids=embedding_positions,
+                embedding=model.embedding,
+                rotary_pos_emb=rotary,
+            )
+        if model.config.sequence_parallel:
+            output = gather_from_sequence_parallel_region(output)
+        return output[:count, 0].reshape(rows, width, hidden_size)
+
+
+@contextlib.contextmanager
+def _swapped_core_attention(attention, core):
+    """The attention module computes with ``core`` for the duration (megatron calls
+    ``self.core_attention(query, key, value, mask, ...)`` after rotary embedding)."""
+    original = attention.core_attention
+    attention.core_attention = core
+    try:
+        yield
+    finally:
+        attention.core_attention = original
+
+
+class IncrementalDraftsController(DraftRoundsController):
+    """Marks controllers whose draft rounds :class:`IncrementalDrafts` serves."""
+
+
+def with_incremental_drafts(controller_class: type) -> type:
+    """``controller_class`` drafting from the MTP depths' KV caches."""
+    return with_drafter(controller_class, IncrementalDrafts, IncrementalDraftsController)

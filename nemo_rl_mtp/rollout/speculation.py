@@ -1,0 +1,104 @@
+"""Speculative decoding with the policy's own MTP heads, as megatron-core's inference engine does
+it, and the acceptance metrics of a rollout.
+
+The path, step by step (all of it inside the engine, over the live training model):
+  1. drafts        - after each verified step the MTP layers run serially from the last accepted
+                     token: depth d proposes draft d + 1 from the token before it, sampled with the
+                     request's sampling parameters (``num_speculative_tokens`` drafts per request;
+                     a repeated MTP layer may propose more than it has layers). Each depth sees
+                     the request's whole verified sequence, as in training: from its own KV cache
+                     (``draft_context: incremental``, default, :mod:`incremental_drafts`) or by
+                     rerunning over the sequence (``sequence``, :mod:`sequence_drafts`);
+                     megatron's own step (``single_position``) sees the last position only
+  2. verification  - the next forward pass runs the policy over [last token, drafts] at once.
+                     ``spec_verification: rejection_sampling`` (default, :mod:`spec_verification`)
+                     accepts draft x with probability min(1, p(x)/q(x)) and draws the token at the
+                     first rejection from max(0, p - q); ``exact_match`` (megatron's own) accepts a
+                     draft when it equals the policy's sample at its position. Either way the first
+                     rejection ends the run and the output is what sampling without speculation
+                     would draw.
+  3. metrics       - per draft position i, drafts proposed and accepted (``speculation_counts``),
+                     summed over data-parallel ranks (``Policy.generate``), logged as
+                     ``rollout/...`` (``speculation_metrics``) next to the training-side
+                     ``mtp_{i}_acceptance_rate``.
+
+Verification by equality accepts a draft x with probability p(x) (p: policy, q: MTP head), so
+acceptance at temperature > 0 is sum_x p(x) q(x); rejection sampling reaches sum_x min(p, q).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_rl_mtp.megatron_compat import engine_release
+
+
+def max_speculative_tokens(megatron_cfg) -> int | None:
+    """The most drafts per step the installed engine accepts for this model: ``mtp_num_layers``,
+    unlimited (None) for a repeated MTP layer where the controller drafts a depth per token, 0
+    where the engine has no speculative decoding (:mod:`engine_release`)."""
+    if engine_release.speculation_missing() is not None:
+        return 0
+    if megatron_cfg.mtp_num_layers and megatron_cfg.mtp_use_repeated_layer and engine_release.repeated_layer_depths_missing() is None:
+        return None
+    return megatron_cfg.mtp_num_layers
+
+
+def check_speculation_supported(generation_cfg, megatron_cfg) -> None:
+    """Raise ValueError, one line naming the key, when the installed engine cannot speculate as
+    configured: a release without speculative decoding (or without what the configuration asks
+    of it), or more drafts than the model's heads can propose (``auto`` chooses within what the
+    model allows)."""
+    unsupported = engine_release.unsupported_generation(generation_cfg, megatron_cfg)
+    if unsupported is not None:
+        raise ValueError(unsupported)
+    k = generation_cfg.num_speculative_tokens
+    if k == "auto" or k <= 0:
+        return
+    if not megatron_cfg.mtp_num_layers:
+        raise ValueError(
+            f"policy.generation.num_speculative_tokens={k}: the model has no MTP heads to draft with; set "
+            "policy.megatron_cfg.mtp_num_layers > 0 or num_speculative_tokens=0"
+        )
+    limit = max_speculative_tokens(megatron_cfg)
+    if limit is not None and k > limit:
+        raise ValueError(
+            f"policy.generation.num_speculative_tokens={k}: this model's MTP heads can propose at most {limit} "
+            f"draft(s) per step (policy.megatron_cfg.mtp_num_layers={megatron_cfg.mtp_num_layers}, "
+            f"mtp_use_repeated_layer={megatron_cfg.mtp_use_repeated_layer}); lower it or add MTP layers"
+        )
+
+
+def speculation_counts(engine) -> dict[str, torch.Tensor]:
+    """Drafts proposed and accepted per position ``[k]`` since the engine's last reset, as the
+    controller counts them once per step (:class:`engine_bookkeeping.AcceptanceCounts`, megatron's
+    rule: a decode request proposes at every position; draft i counts as accepted when the drafts
+    before it were). ``[0]`` without speculation."""
+    controller = engine.controller
+    if not hasattr(controller, "acceptance_counts"):
+        return {"draft_proposed": torch.zeros(0, dtype=torch.int64), "draft_accepted": torch.zeros(0, dtype=torch.int64)}
+    proposed, accepted = controller.acceptance_counts()
+    return {"draft_proposed": proposed.clone(), "draft_accepted": accepted.clone()}
+
+
+def speculation_metrics(counts: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per draft position i (1-indexed): proposed, accepted, acceptance rate in percent; and the
+    tokens a request gains per decode step (1 + accepted drafts). With ``auto``: the drafts per
+    step it chose and the tokens/s it expected and the engine delivered. ``{}`` without
+    speculation."""
+    metrics = {}
+    if "speculative_tokens" in counts:
+        metrics["rollout/num_speculative_tokens"] = float(counts["speculative_tokens"])
+        metrics["rollout/expected_tokens_per_s"] = float(counts["expected_tokens_per_s"])
+        metrics["rollout/engine_tokens_per_s"] = float(counts["engine_tokens_per_s"])
+    proposed, accepted = counts["draft_proposed"].double(), counts["draft_accepted"].double()
+    if proposed.numel() == 0:
+        return metrics
+    for position, (num_proposed, num_accepted) in enumerate(zip(proposed.tolist(), accepted.tolist()), start=1):
+        metrics[f"rollout/draft_{position}_proposed"] = num_proposed
+        metrics[f"rollout/draft_{position}_accepted"] = num_accepted
+        metrics[f"rollout/draft_{position}_acceptance_rate"] = 100.0 * num_accepted / max(num_proposed, 1.0)
+    accepted_per_step = float(accepted.sum() / proposed[0].clamp(min=1))
+    metrics["rollout/accepted_drafts_per_decode_step"] = accepted_per_step
+    metrics["rollout/tokens_per_decode_step"] = 1.0 + accepted_per_step
+    return metrics

@@ -1,0 +1,242 @@
+"""Mixture-of-experts trunks (and MTP layers, which reuse the trunk's layer spec as in
+DeepSeek-V3), with the router's load-balancing loss normalised like the policy and MTP losses.
+
+Normalisation. Under ``calculate_per_token_loss`` megatron multiplies each microbatch's
+auxiliary loss by the microbatch's valid (non-padding) token count n_mb and expects
+``finalize_model_grads`` to divide every gradient by the global token count. Our losses are
+already divided by their global counts (train.py), so that division is skipped, and the aux-loss
+gradient would grow with the batch: twice the tokens, twice the load-balancing pull (NeMo-RL
+issue #3888). ``moe_grad_scale`` seeds the aux-loss backward with ``loss_scale / N``, N the
+valid tokens of the global batch (every rank), so the step's aux-loss gradient is the
+token-weighted mean over the global batch of the microbatches' aux losses, whatever the batch
+size. The microbatches must tell megatron which tokens are padding (``padding_mask``), so that
+padding neither counts in n_mb nor in the router's load statistics.
+
+The load statistic. megatron's ``aux_loss`` measures each expert's share of tokens f_e over one
+microbatch, so microbatches with different token mixes give a different loss than one microbatch
+holding them all. ``global_batch_aux_loss`` (ours; megatron runs it as ``aux_loss``) measures f_e
+over the whole global batch instead (Qiu et al. 2025, "global load balancing", arXiv
+2501.11873): a forward-only pass routes every microbatch first and counts the tokens each router
+sends to each expert (padding excluded, summed over ranks). Every microbatch's aux loss
+E * c / (k T^2) * sum_e F_e * sum_{x in microbatch} p_e(x) then uses those counts F_e and token
+total T, so the losses of the microbatches add up to the global batch's, whatever the split. The
+price is that extra forward pass per step. The TransformerConfig says ``global_aux_loss``
+(megatron's load balancing at global-batch level, whose running average over the microbatches
+seen so far depends on the split), and during training the routers' global aux loss is this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import logging
+
+import torch
+from megatron.core import parallel_state
+
+from nemo_rl_mtp.training.aux_losses import backward_seed_over, sum_over_data_parallel
+
+logger = logging.getLogger(__name__)
+
+MOE_CONFIG_KEYS = ("num_moe_experts", "moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type")
+
+
+def moe_enabled(config) -> bool:
+    return bool(getattr(config, "num_moe_experts", None))
+
+
+GLOBAL_BATCH_AUX_LOSS = "global_batch_aux_loss"
+# megatron's name for load balancing at global-batch level: what the TransformerConfig says.
+MEGATRON_GLOBAL_AUX_LOSS = "global_aux_loss"
+
+
+def uses_global_load_statistics(megatron_cfg) -> bool:
+    return bool(megatron_cfg.num_moe_experts) and megatron_cfg.moe_router_load_balancing_type == GLOBAL_BATCH_AUX_LOSS
+
+
+def moe_config_kwargs(megatron_cfg) -> dict:
+    """TransformerConfig arguments of the MoE keys; {} for a dense trunk. Experts run one after the
+    other (no grouped GEMM: it needs CUDA kernels)."""
+    if not megatron_cfg.num_moe_experts:
+        return {}
+    kwargs = {key: megatron_cfg[key] for key in MOE_CONFIG_KEYS}
+    if uses_global_load_statistics(megatron_cfg):
+        kwargs["moe_router_load_balancing_type"] = MEGATRON_GLOBAL_AUX_LOSS  # computed as ours in training
+    kwargs["moe_ffn_hidden_size"] = megatron_cfg.moe_ffn_hidden_size or megatron_cfg.ffn_hidden_size
+    kwargs["moe_grouped_gemm"] = False
+    return kwargs
+
+
+# megatron-core's MoE metrics tracker (0.18 on), from which a step reads the load-balancing loss.
+MOE_METRICS_MODULE = "megatron.core.transformer.moe.moe_logging"
+
+
+def check_moe_supported(megatron_cfg) -> None:
+    """Raise ValueError, one line naming the key and the release, where the installed megatron-core
+    cannot run the configured MoE trunk: before 0.18 it has no MoE metrics tracker; before 0.19
+    its schedule reads no ``moe_grad_scale_func``
+    (the load-balancing loss cannot be normalised), or the router's private names the global load
+    statistics reach are gone or changed (:func:`router_names_changed`)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
+
+    if not megatron_cfg.num_moe_experts:
+        return
+    try:
+        importlib.import_module(MOE_METRICS_MODULE)
+    except ModuleNotFoundError:
+        raise ValueError(
+            f"policy.megatron_cfg.num_moe_experts={megatron_cfg.num_moe_experts}: megatron-core {megatron_core_version()} "
+            f"has no MoE metrics tracker ({MOE_METRICS_MODULE}), from which a training step reads "
+            "the routers' load-balancing loss; set it to 0 or use megatron-core >= 0.18"
+        ) from None
+    if megatron_cfg.moe_aux_loss_coeff > 0 and not hasattr(schedules, "_get_moe_loss_scale"):
+        raise ValueError(
+            f"policy.megatron_cfg.moe_aux_loss_coeff={megatron_cfg.moe_aux_loss_coeff}: megatron-core "
+            f"{megatron_core_version()}'s schedule has no moe_grad_scale_func, so the load-balancing loss cannot be "
+            "normalised like the policy loss (megatron-core >= 0.19 can); set it to 0 or upgrade"
+        )
+    changed = router_names_changed() if uses_global_load_statistics(megatron_cfg) else []
+    if changed:
+        raise ValueError(
+            f"policy.megatron_cfg.moe_router_load_balancing_type={GLOBAL_BATCH_AUX_LOSS}: megatron-core "
+            f"{megatron_core_version()}'s router changed what the global load statistics reach ({'; '.join(changed)}); "
+            "use aux_loss or adapt nemo_rl_mtp/training/moe.py"
+        )
+
+
+# TopKRouter's private or positional names the global load statistics reach, with the parameters
+# they need (by name): the aux loss replaced per router, the padding mask the token counts read,
+# the loss attached with a valid-token count.
+ROUTER_METHODS = {
+    "_apply_global_aux_loss": ["probs", "scores_for_aux_loss", "routing_map"],
+    "forward": ["padding_mask"],
+    "attach_and_log_load_balancing_loss": ["activation", "aux_loss_coeff", "aux_loss", "aux_loss_name", "reduce_group", "valid_token_count"],
+    "get_aux_loss_coeff": ["aux_loss_type"],
+}
+
+
+def router_names_changed() -> list[str]:
+    """What of ``ROUTER_METHODS`` the installed ``TopKRouter`` lacks (gone, or a parameter gone)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    problems = []
+    for name, needed in ROUTER_METHODS.items():
+        method = getattr(TopKRouter, name, None)
+        if not callable(method):
+            problems.append(f"TopKRouter.{name} (gone)")
+            continue
+        parameters = inspect.signature(method).parameters
+        if not set(needed) <= set(parameters):
+            problems.append(f"TopKRouter.{name} (no parameter {sorted(set(needed) - set(parameters))[0]}; parameters now {list(parameters)})")
+    return problems
+
+
+def count_global_router_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """N: non-padding tokens of the global batch (one all-reduce over data parallel)."""
+    return sum_over_data_parallel(batch["input_lengths"].sum(), device)
+
+
+@contextlib.contextmanager
+def moe_grad_scale(config, global_router_tokens: torch.Tensor | None):
+    """Set ``config.moe_grad_scale_func`` for one step (``loss_scale / N``, module docstring) and
+    clear it afterwards, as ``mtp_grad_scale`` does for the MTP loss."""
+    with backward_seed_over(config, "moe_grad_scale_func", global_router_tokens, enabled=moe_enabled(config)):
+        yield
+
+
+def routers_of(gpt_model) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [module for module in gpt_model.modules() if isinstance(module, TopKRouter)]
+
+
+@contextlib.contextmanager
+def counting_routed_tokens(routers: list):
+    """Yields {router: [E] tokens routed to each expert} that fills during forwards: padding
+    excluded (the router's padding mask), top-k choices counted once each."""
+    counts = {router: None for router in routers}
+
+    def count(router, args, kwargs, output):
+        routing_map = output[1]
+        # By name, wherever the caller put it (check_moe_supported probed the parameter).
+        padding = inspect.signature(router.forward).bind(*args, **kwargs).arguments.get("padding_mask")
+        if padding is not None:
+            routing_map = routing_map & ~padding.reshape(-1, 1)
+        tokens = routing_map.sum(dim=0).float()
+        counts[router] = tokens if counts[router] is None else counts[router] + tokens
+
+    handles = [router.register_forward_hook(count, with_kwargs=True) for router in routers]
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def sum_over_ranks(counts: dict) -> dict:
+    """Each router's counts summed over the ranks holding other tokens: its tensor/context group
+    (sequence-parallel shards), then data parallel."""
+    for router, tokens in counts.items():
+        torch.distributed.all_reduce(tokens, group=router.tp_cp_group)
+        torch.distributed.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
+    return counts
+
+
+@contextlib.contextmanager
+def global_load_statistics(counts: dict, global_router_tokens: torch.Tensor):
+    """During the training pass, each router's load-balancing loss uses the global batch's counts
+    (module docstring). Its gradient comes out as the global loss's share of this microbatch once
+    megatron multiplies by the valid tokens and ``moe_grad_scale`` divides by N."""
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+    def global_aux_loss(router, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        coefficient = router.get_aux_loss_coeff(MEGATRON_GLOBAL_AUX_LOSS)
+        if coefficient == 0:
+            return probs
+        tokens_per_expert = counts[router]
+        aux_loss = switch_load_balancing_loss_func(
+            probs=scores_for_aux_loss,
+            tokens_per_expert=tokens_per_expert,
+            total_num_tokens=tokens_per_expert.sum() / router.topk,
+            topk=router.topk,
+            num_experts=router.config.num_moe_experts,
+            moe_aux_loss_coeff=coefficient,
+            fused=router.config.moe_router_fusion,
+        )
+        valid = global_router_tokens / router.tp_cp_group.size()
+        return router.attach_and_log_load_balancing_loss(probs, coefficient, aux_loss, "load_balancing_loss", router.tp_cp_group, valid_token_count=valid)
+
+    for router in counts:
+        router._apply_global_aux_loss = functools.partial(global_aux_loss, router)
+    try:
+        yield
+    finally:
+        for router in counts:
+            del router._apply_global_aux_loss
+
+
+def get_moe_metrics(config, num_microbatches: int, global_statistics: bool) -> dict[str, float]:
+    """The router's load-balancing loss of the step (megatron's MoE metrics tracker: mean over
+    MoE layers, MTP layers included; the mean over microbatches and data-parallel ranks, or, with
+    global statistics, where each microbatch holds its share of the global loss, their sum), as
+    ``moe/<name>``; the tracker is reset. Collective over all ranks. {} without MoE."""
+    if not moe_enabled(config):
+        return {}
+    get_moe_metrics_tracker = importlib.import_module(MOE_METRICS_MODULE).get_moe_metrics_tracker
+
+    losses: dict[str, torch.Tensor] = {}
+    # The tracker averages over data parallel; a sum of shares is undone from that average.
+    shares = parallel_state.get_data_parallel_world_size()
+    get_moe_metrics_tracker().report(
+        loss_scale=shares if global_statistics else 1.0 / num_microbatches,
+        iteration=0,
+        total_loss_dict=losses,
+        num_layers=config.num_layers,
+        moe_layer_freq=config.moe_layer_freq,  # a hybrid model's E layers (hybrid.transformer_config_kwargs)
+        mtp_num_layers=config.mtp_num_layers,
+    )
+    return {f"moe/{name}": float(value) for name, value in losses.items()}

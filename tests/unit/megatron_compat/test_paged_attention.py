@@ -1,0 +1,109 @@
+"""The CPU stand-ins for flash-attn's paged kernels against per-request dense attention computed by
+torch's scaled_dot_product_attention (an independent route), on a shuffled paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nemo_rl_mtp.megatron_compat.cpu.paged_attention import flash_attn_varlen_func, flash_attn_with_kvcache, paged_attention_over_pairs
+
+BLOCK_SIZE, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
+
+
+def _paged_cache(key_lengths: list[int], generator: torch.Generator):
+    """Dense per-request keys/values, and the same scattered over shuffled cache blocks."""
+    blocks_per_request = [-(-length // BLOCK_SIZE) for length in key_lengths]
+    num_blocks = sum(blocks_per_request) + 3
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    key_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, DIM, generator=generator)
+    value_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, DIM, generator=generator)
+    block_table = torch.full((len(key_lengths), max(blocks_per_request) + 1), -1, dtype=torch.int32)
+    keys, values = [], []
+    for request, blocks in enumerate(blocks_per_request):
+        ids = [order.pop() for _ in range(blocks)]
+        block_table[request, :blocks] = torch.tensor(ids)
+        keys.append(key_cache[ids].flatten(0, 1)[: key_lengths[request]])
+        values.append(value_cache[ids].flatten(0, 1)[: key_lengths[request]])
+    return key_cache, value_cache, block_table, keys, values
+
+
+def _dense(query, key, value):
+    """[q, h, d] queries that are the last q of the keys; causal, bottom-right aligned."""
+    num_queries, num_keys = query.shape[0], key.shape[0]
+    allowed = torch.ones(num_queries, num_keys, dtype=torch.bool).tril(diagonal=num_keys - num_queries)
+    key = key.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    value = value.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=allowed)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("query_lengths, key_lengths", [([5, 1, 9], [5, 1, 9]), ([2, 3, 1], [7, 3, 12])])
+def test_varlen_prefill_and_chunked_prefill(query_lengths, key_lengths):
+    generator = torch.Generator().manual_seed(0)
+    key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
+    queries = torch.randn(sum(query_lengths) + 2, HEADS, DIM, generator=generator)  # 2 padding rows
+    cu_q = torch.tensor([0, *torch.tensor(query_lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = flash_attn_varlen_func(
+        queries, key_cache, value_cache, cu_q, cu_k, max(query_lengths), max(key_lengths), block_table=block_table
+    )
+    for request, (start, end) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())):
+        expected = _dense(queries[start:end], keys[request], values[request])
+        torch.testing.assert_close(out[start:end], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[cu_q[-1] :], torch.zeros_like(out[cu_q[-1] :]))
+
+
+def test_decode_with_several_new_tokens_per_request():
+    """Speculative decode: the last token and 2 drafts per request, already in the cache."""
+    generator = torch.Generator().manual_seed(1)
+    key_lengths = [6, 3, 11]
+    key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
+    queries = torch.randn(3, 3, HEADS, DIM, generator=generator)
+    out = flash_attn_with_kvcache(
+        queries, key_cache, value_cache, cache_seqlens=torch.tensor(key_lengths, dtype=torch.int32), block_table=block_table
+    )
+    for request in range(3):
+        torch.testing.assert_close(out[request], _dense(queries[request], keys[request], values[request]), rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_options_fail_loudly():
+    with pytest.raises(NotImplementedError, match="window_size"):
+        flash_attn_with_kvcache(torch.zeros(1, 1, HEADS, DIM), None, None, window_size=(4, 0), block_table=torch.zeros(1, 1))
+
+
+def test_a_step_reads_only_the_blocks_that_hold_tokens():
+    """The block table is as wide as the longest sequence the engine admits. Its columns past the
+    longest request's blocks point at a block of NaNs: read, they would poison every output. (The
+    unused ids -1 of shorter requests read the last block, a finite one, as the engine's do.)"""
+    generator = torch.Generator().manual_seed(2)
+    key_lengths = [6, 3, 11]
+    key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
+    poisoned = key_cache.shape[0]
+    key_cache = torch.cat([key_cache, torch.full_like(key_cache[:1], float("nan")), key_cache[:1]])
+    value_cache = torch.cat([value_cache, torch.full_like(value_cache[:1], float("nan")), value_cache[:1]])
+    in_use = -(-max(key_lengths) // BLOCK_SIZE)
+    wide_table = torch.full((3, 64), poisoned, dtype=torch.int32)
+    wide_table[:, :in_use] = block_table[:, :in_use]
+    queries = torch.randn(3, 2, HEADS, DIM, generator=generator)
+    out = flash_attn_with_kvcache(
+        queries, key_cache, value_cache, cache_seqlens=torch.tensor(key_lengths, dtype=torch.int32), block_table=wide_table
+    )
+    for request in range(3):
+        torch.testing.assert_close(out[request], _dense(queries[request], keys[request], values[request]), rtol=1e-5, atol=1e-5)
+
+
+def test_keys_and_values_in_one_buffer():
+    """The MTP caches' layout ``[2, blocks, ...]``: ragged queries (last of their keys) per request."""
+    generator = torch.Generator().manual_seed(3)
+    key_lengths, query_lengths = [6, 3, 11], [2, 1, 3]
+    key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
+    queries = torch.randn(3, 3, HEADS, DIM, generator=generator)
+    out = paged_attention_over_pairs(
+        queries, torch.tensor(query_lengths), torch.stack([key_cache, value_cache]), block_table, torch.tensor(key_lengths), DIM**-0.5
+    )
+    for request, count in enumerate(query_lengths):
+        expected = _dense(queries[request, :count], keys[request], values[request])
+        torch.testing.assert_close(out[request, :count], expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[request, count:], torch.zeros_like(out[request, count:]))
