@@ -27,6 +27,14 @@ import logging
 logger = logging.getLogger(__name__)
 
 
+class TokenIdsAsText:
+    """The engine detokenizes every finished request; rollouts are token ids, so their text is
+    just the ids (which keeps the engine independent of the task's tokenizer)."""
+
+    def detokenize(self, token_ids, **kwargs) -> str:
+        return " ".join(str(token) for token in token_ids)
+
+
 def megatron_release() -> str:
     from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
 
@@ -121,7 +129,6 @@ def assemble(
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
 
-    from nemo_rl_mtp.rollout.engine import TokenIdsAsText
 
     config_class = inference_config_class()
     if config_class is None:
@@ -162,7 +169,6 @@ def _assemble_keyword_sized(model, controller_class: type, engine_class: type, s
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 
-    from nemo_rl_mtp.rollout.engine import TokenIdsAsText
 
     parameters = inspect.signature(DynamicInferenceContext.__init__).parameters
     if "params_dtype" not in parameters:

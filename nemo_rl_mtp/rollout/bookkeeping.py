@@ -16,7 +16,7 @@ verification together. Here:
   take megatron's own path;
 - :func:`install_vectorised_rewind` (a compat patch) replaces the controller's KV-cache rewind,
   a Python loop over requests in ``mtp_utils_pytorch`` that megatron runs on the host on every
-  machine, with :func:`kernels.rewind_kv_cache`.
+  machine, with :func:`speculative_kernels.rewind_kv_cache`.
 
 All are tested against megatron's own bookkeeping: same rollouts, same counts.
 """
@@ -29,7 +29,7 @@ import logging
 import torch
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 
-from nemo_rl_mtp.rollout import kernels
+from nemo_rl_mtp.megatron_compat import speculative_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def vectorised_rewind_probe() -> tuple[bool, str]:
     from megatron.core.inference.text_generation_controllers import text_generation_controller
 
     current = getattr(text_generation_controller, "rewind_kv_cache", None)
-    if current is kernels.rewind_kv_cache:
+    if current is speculative_kernels.rewind_kv_cache:
         return True, "installed earlier in this process"
     if current is None:
         return False, "megatron's controller calls no rewind_kv_cache (it rewinds in its own method): nothing to vectorise"
@@ -148,7 +148,7 @@ def vectorised_rewind_probe() -> tuple[bool, str]:
 
     if current is not getattr(mtp_utils_pytorch, "rewind_kv_cache", None):
         return False, "the controller rewinds with something other than mtp_utils_pytorch's loop (upstream changed it)"
-    ours, theirs = inspect.signature(kernels.rewind_kv_cache), inspect.signature(current)
+    ours, theirs = inspect.signature(speculative_kernels.rewind_kv_cache), inspect.signature(current)
     if list(ours.parameters) != list(theirs.parameters):
         return False, f"rewind_kv_cache's parameters changed upstream: {list(theirs.parameters)}"
     if not _same_rewind(current):
@@ -175,7 +175,7 @@ def _same_rewind(reference) -> bool:
     }
     copies = [{name: value.clone() for name, value in case.items()} for _ in range(2)]
     expected = reference(**copies[0], num_speculative_tokens=2, block_size_tokens=4, num_active_requests=7)
-    got = kernels.rewind_kv_cache(**copies[1], num_speculative_tokens=2, block_size_tokens=4, num_active_requests=7)
+    got = speculative_kernels.rewind_kv_cache(**copies[1], num_speculative_tokens=2, block_size_tokens=4, num_active_requests=7)
     same_buffers = all(torch.equal(copies[0][name], copies[1][name]) for name in case)
     return same_buffers and all(torch.equal(a, b) for a, b in zip(expected, got))
 
@@ -189,7 +189,7 @@ def install_vectorised_rewind() -> bool:
     if not needed:
         logger.warning("vectorised KV-cache rewind: not installed: %s", reason)
         return False
-    if text_generation_controller.rewind_kv_cache is not kernels.rewind_kv_cache:
-        text_generation_controller.rewind_kv_cache = kernels.rewind_kv_cache
+    if text_generation_controller.rewind_kv_cache is not speculative_kernels.rewind_kv_cache:
+        text_generation_controller.rewind_kv_cache = speculative_kernels.rewind_kv_cache
         logger.info("vectorised KV-cache rewind installed: %s", reason)
     return True

@@ -261,14 +261,6 @@ def controller_class(model, generation_cfg: GenerationConfig, num_speculative_to
     return drafting(chosen)
 
 
-class TokenIdsAsText:
-    """The engine detokenizes every finished request; rollouts are token ids, so their text is
-    just the ids (which keeps the engine independent of the task's tokenizer)."""
-
-    def detokenize(self, token_ids, **kwargs) -> str:
-        return " ".join(str(token) for token in token_ids)
-
-
 @contextlib.contextmanager
 def rollout_mode(model):
     """Eval mode, no autograd and megatron's InferenceMode flag (where the release has one) for the

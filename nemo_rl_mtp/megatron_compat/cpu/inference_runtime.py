@@ -32,7 +32,7 @@ import torch
 
 from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
 from nemo_rl_mtp.megatron_compat.cpu import paged_attention
-from nemo_rl_mtp.rollout import kernels as speculative_kernels
+from nemo_rl_mtp.megatron_compat import speculative_kernels
 
 logger = logging.getLogger(__name__)
 

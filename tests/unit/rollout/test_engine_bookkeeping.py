@@ -21,7 +21,7 @@ from nemo_rl_mtp.rollout import bookkeeping as engine_bookkeeping  # noqa: E402
 from nemo_rl_mtp.megatron_compat import engine_names  # noqa: E402
 from nemo_rl_mtp.megatron_compat import engine_release  # noqa: E402
 from nemo_rl_mtp.rollout.engine import RolloutEngine  # noqa: E402
-from nemo_rl_mtp.rollout import kernels as speculative_kernels  # noqa: E402
+from nemo_rl_mtp.megatron_compat import speculative_kernels  # noqa: E402
 from tests.helpers import make_policy  # noqa: E402
 from tests.unit.rollout.engine_cases import PROMPTS, engine_overrides, generate  # noqa: E402
 
