@@ -8,7 +8,7 @@ weight. Peak memory is the process's peak resident memory above what it held aft
 inputs (the kernel's peak-resident mark, reset once the inputs exist), also given in units of
 one float32 [T, V] tensor.
 
-    uv run python benchmarks/mtp_loss_memory.py [--tokens 4096] [--vocab 150000] [--dtype bfloat16] [--threads 1]
+    uv run python -m benchmarks.mtp_loss_memory [--tokens 4096] [--vocab 150000] [--dtype bfloat16] [--threads 1]
 
 Memory scales with tokens x vocabulary; at 8k tokens every figure doubles (the default stays at 4096
 so that the slowest variant fits beside other jobs on a 24 GB machine).

@@ -3,7 +3,7 @@ next to the ratio of their FLOPs (counted by torch's FlopCounterMode on one step
 is measured with each ``mtp_loss_type`` and with heads frozen for RL (``mtp_frozen_during_rl``);
 the headline ratio is the configured one's (the exemplar's default unless overridden).
 
-    uv run python benchmarks/mtp_step_overhead.py [--steps 20] [key=value ...]
+    uv run python -m benchmarks.mtp_step_overhead [--steps 20] [key=value ...]
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))  # the synthetic batch is a test helper (tests/synthetic.py)
 
 from nemo_rl_mtp.training.losses import ClippedPGLossFn  # noqa: E402
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
 from nemo_rl_mtp.training.step import train_global_batch  # noqa: E402
 from nemo_rl_mtp.config.load import load_config  # noqa: E402
-from tests.synthetic import synthetic_rl_batch  # noqa: E402
+from tests.support.synthetic import synthetic_rl_batch  # noqa: E402
 
 VOCAB_SIZE = 32
 LOSS = ClippedPGLossFn(ratio_clip_min=0.2, ratio_clip_max=0.2, reference_policy_kl_penalty=0.0)

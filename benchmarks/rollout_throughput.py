@@ -9,7 +9,7 @@ temperature 1, as in RL; rejection sampling; drafts from the MTP depths' KV cach
 Before the sweep, k = 0 with the random policy and its end-of-sequence token: the same responses
 under every budget.
 
-    uv run python benchmarks/rollout_throughput.py [--new-tokens 128 512 2048] [--batches 8 32 128]
+    uv run python -m benchmarks.rollout_throughput [--new-tokens 128 512 2048] [--batches 8 32 128]
         [--repeats 3] [--figure benchmarks/rollout_throughput.png] [key=value overrides]
 
 Prints markdown: tokens/s against k = 0 per cell; where a decode step's time goes (trunk forward,
@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
 from nemo_rl_mtp.training.imitation import imitation_step  # noqa: E402
 from nemo_rl_mtp.tasks.demonstrations import demonstration_batch  # noqa: E402
@@ -46,7 +45,7 @@ from nemo_rl_mtp.rollout.speculation import speculation_metrics  # noqa: E402
 from nemo_rl_mtp.megatron_compat.cpu import paged_attention  # noqa: E402
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
 from nemo_rl_mtp.config.load import load_config  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from tests.support.helpers import free_port  # noqa: E402
 
 TOKENIZER = DigitTokenizer()
 PROMPT_TOKENS = 3  # <bos> d =

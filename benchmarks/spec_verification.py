@@ -3,7 +3,7 @@ request's sequence vs megatron's single-position draft step, side by side in one
 heads trained during a short GRPO run (the default recipe with two MTP layers), at the rollout
 temperature of RL (1.0).
 
-    uv run python benchmarks/spec_verification.py [--steps 80] [--warm-start] [--prompts 512] [-o benchmarks/spec_verification.png]
+    uv run python -m benchmarks.spec_verification [--steps 80] [--warm-start] [--prompts 512] [-o benchmarks/spec_verification.png]
 
 1. Runs GRPO (Ray workers, as `examples/run_grpo.py` does) and keeps its final checkpoint.
 2. Loads that checkpoint into one in-process policy, builds one engine per (draft context,
@@ -24,7 +24,6 @@ from pathlib import Path
 from omegaconf import read_write
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
 from nemo_rl_mtp.grpo.loop import grpo_train, latest_checkpoint  # noqa: E402
 from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer  # noqa: E402
@@ -35,7 +34,7 @@ from nemo_rl_mtp.rollout.speculation import speculation_metrics  # noqa: E402
 from nemo_rl_mtp.training.checkpoint import load_policy  # noqa: E402
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
 from nemo_rl_mtp.config.load import load_config  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from tests.support.helpers import free_port  # noqa: E402
 
 TOKENIZER = DigitTokenizer()
 MTP_LAYERS = 2

@@ -142,7 +142,6 @@ def main() -> None:
     parser.add_argument("--from-json", type=Path, help="redraw from the histories a previous run saved")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
-    sys.path.insert(0, str(REPO_ROOT))
     histories_path = REPO_ROOT / "logs" / f"{args.output.stem}.json"
     histories_path.parent.mkdir(exist_ok=True)
     if args.from_json:

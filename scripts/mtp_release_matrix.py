@@ -6,7 +6,7 @@ and see the same batch; the table gives, per release x recompute x layout, the s
 loss and acceptance per layer, and the largest difference to 0.19.2 in MTP loss and in any
 parameter's gradient. ``--without-shims`` adds what each release does on its own.
 
-    uv run python scripts/mtp_release_matrix.py [--releases 0.16.1 0.17.1 0.18.2 0.19.2] [--without-shims] [--json out.json]
+    uv run python -m scripts.mtp_release_matrix [--releases 0.16.1 0.17.1 0.18.2 0.19.2] [--without-shims] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ def measure(reference_dir: Path, save_reference: bool, shims: bool) -> list[dict
 
     from nemo_rl_mtp.training.losses import ClippedPGLossFn
 
-    sys.path.insert(0, str(REPO_ROOT))  # the synthetic batch is a test helper (tests/synthetic.py)
-    from tests.synthetic import synthetic_rl_batch
+    from tests.support.synthetic import synthetic_rl_batch
 
     base = load_config()
     initialize_model_parallel(base.policy.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
@@ -118,7 +117,7 @@ def _free_port() -> int:
 
 def run_release(release: str, reference_dir: Path, shims: bool) -> list[dict]:
     command = [
-        "uv", "run", "--with", f"megatron-core=={release}", "python", __file__,
+        "uv", "run", "--with", f"megatron-core=={release}", "python", "-m", "scripts.mtp_release_matrix",
         "--measure", "--reference-dir", str(reference_dir),
     ]
     if release == REFERENCE_RELEASE and shims:

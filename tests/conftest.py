@@ -19,7 +19,7 @@ def pytest_sessionstart(session):
 def megatron_world():
     """torch.distributed (gloo, world size 1) and megatron's parallel state, once per session."""
     from nemo_rl_mtp.training.model import initialize_model_parallel
-    from tests.helpers import free_port, tiny_config
+    from tests.support.helpers import free_port, tiny_config
 
     logging.basicConfig(level=logging.INFO)
     cfg = tiny_config()

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from nemo_rl_mtp.reporting.logger import read_metrics
-from tests.helpers import SMALL_GRPO_STEP
-from tests.unit.rollout.engine_cases import drafts_where_possible
+from tests.support.helpers import SMALL_GRPO_STEP
+from tests.support.engine_cases import drafts_where_possible
 
 pytestmark = pytest.mark.slow
 

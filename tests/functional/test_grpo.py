@@ -10,10 +10,10 @@ import pytest
 
 from nemo_rl_mtp.reporting.logger import read_metrics
 from nemo_rl_mtp.reporting.plot import plot_run
-from tests.helpers import SMALL_GRPO_STEP, run_grpo
-from tests.release_gates import RunsByName, command_refusal
-from tests.unit.rollout.engine_cases import requires_speculation
-from tests.wandb_offline import offline_history
+from tests.support.helpers import SMALL_GRPO_STEP, run_grpo
+from tests.support.release_gates import RunsByName, command_refusal
+from tests.support.engine_cases import requires_speculation
+from tests.support.wandb_offline import offline_history
 
 pytestmark = pytest.mark.slow
 

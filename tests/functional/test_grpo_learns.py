@@ -10,8 +10,8 @@ import pytest
 
 from nemo_rl_mtp.config.load import load_config
 from nemo_rl_mtp.reporting.logger import read_metrics
-from tests.helpers import DEFAULT_RECIPE, run_grpo
-from tests.unit.rollout.engine_cases import speculation_skip_reason
+from tests.support.helpers import DEFAULT_RECIPE, run_grpo
+from tests.support.engine_cases import speculation_skip_reason
 
 pytestmark = pytest.mark.slow
 

@@ -17,17 +17,16 @@ from safetensors.torch import load_file
 
 from nemo_rl_mtp.reporting.logger import read_metrics
 from tests.functional.test_fault_injection import TIMING_KEYS, _kill_when
-from tests.hf_reference import load_hf_model
-from tests.helpers import SMALL_GRPO_STEP, run_grpo
-from tests.release_gates import requires_megatron_bridge
+from tests.support.hf_reference import load_hf_model
+from tests.support.helpers import SMALL_GRPO_STEP, run_grpo
+from tests.support.release_gates import requires_megatron_bridge
 
 pytestmark = [pytest.mark.slow, requires_megatron_bridge()]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "examples" / "configs"
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-from arithmetic_dataset import write_arithmetic_dataset  # noqa: E402
-from tiny_mimo_checkpoint import write_tiny_mimo_checkpoint  # noqa: E402
+from scripts.arithmetic_dataset import write_arithmetic_dataset  # noqa: E402
+from scripts.tiny_mimo_checkpoint import write_tiny_mimo_checkpoint  # noqa: E402
 
 QUIET = ["logger.wandb_enabled=false", "logger.tensorboard_enabled=false"]
 MATH_STEPS = 4

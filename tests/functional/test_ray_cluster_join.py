@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from nemo_rl_mtp.reporting.logger import read_metrics
-from tests.helpers import SMALL_GRPO_STEP, free_port
+from tests.support.helpers import SMALL_GRPO_STEP, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -26,14 +26,13 @@ from pathlib import Path
 import pytest
 
 from nemo_rl_mtp.reporting.logger import read_metrics
-from tests.helpers import SMALL_GRPO_STEP
+from tests.support.helpers import SMALL_GRPO_STEP
 
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-import mtp_release_matrix  # noqa: E402
+from scripts import mtp_release_matrix
 
 RELEASES = os.environ.get("NEMO_RL_MTP_RELEASES", " ".join(mtp_release_matrix.DEFAULT_RELEASES)).split()
 # Releases whose engine has no speculative decoding (written out from what each release has).

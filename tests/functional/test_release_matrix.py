@@ -21,9 +21,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-import mtp_release_matrix  # noqa: E402
+from scripts import mtp_release_matrix
 
 RELEASES = os.environ.get("NEMO_RL_MTP_RELEASES", " ".join(mtp_release_matrix.DEFAULT_RELEASES)).split()
 MTP_TEST_FILES = [

@@ -7,7 +7,7 @@ import torch
 
 from nemo_rl_mtp.training.losses import ClippedPGLossFn
 from nemo_rl_mtp.cluster.worker import MegatronPolicyWorker
-from tests.helpers import VOCAB_SIZE, free_port, make_batch, tiny_config
+from tests.support.helpers import VOCAB_SIZE, free_port, make_batch, tiny_config
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

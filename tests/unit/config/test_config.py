@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 import nemo_rl_mtp
 
 from nemo_rl_mtp.config.load import ConfigError, load_config
-from tests.release_gates import requires_megatron_bridge
+from tests.support.release_gates import requires_megatron_bridge
 
 
 def test_exemplar_loads_and_is_read_only():

@@ -19,8 +19,8 @@ from nemo_rl_mtp.megatron_compat import recompute
 from nemo_rl_mtp.megatron_compat._marks import is_shim
 from nemo_rl_mtp.training.step import forward_backward_global_batch
 from nemo_rl_mtp.cluster.worker import MegatronPolicyWorker
-from tests.helpers import make_batch, make_policy, mtp_parameter_names
-from tests.release_gates import on_this_release
+from tests.support.helpers import make_batch, make_policy, mtp_parameter_names
+from tests.support.release_gates import on_this_release
 from tests.unit.training.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
@@ -261,7 +261,7 @@ def test_rl_labels_backport_equals_native_process_mtp_loss(monkeypatch, loss_typ
     place of its own: the same step (MTP loss, acceptance, forecast, every gradient) bit for bit on
     the same weights and batch, RL labels derived from input_ids in both."""
     from nemo_rl_mtp.megatron_compat import rl_labels
-    from tests.helpers import gradients
+    from tests.support.helpers import gradients
 
     batch = make_batch(RAGGED_RESPONSES, sample_mask=[1, 1, 0, 1, 1, 1, 1, 1])
     steps, backport_calls = [], []
@@ -362,7 +362,7 @@ def test_distribution_losses_are_refused_in_one_line_where_the_loss_is_unreachab
     still runs)."""
     from nemo_rl_mtp.megatron_compat import mtp_loss_callable
     from nemo_rl_mtp.config.load import ConfigError
-    from tests.helpers import tiny_config
+    from tests.support.helpers import tiny_config
 
     def process_mtp_loss(hidden_states, labels, loss_mask, output_layer, config):
         return hidden_states

@@ -16,7 +16,7 @@ from megatron.core.transformer import attention
 from nemo_rl_mtp.megatron_compat.cpu import inference_runtime as cpu_inference_runtime
 from nemo_rl_mtp.megatron_compat.cpu import paged_attention
 from nemo_rl_mtp.megatron_compat import speculative_kernels
-from tests.release_gates import import_or_skip
+from tests.support.release_gates import import_or_skip
 
 # The speculative kernels' CPU stand-ins these tests name (megatron-core >= 0.18).
 mtp_utils_pytorch = import_or_skip("megatron.core.inference.text_generation_controllers.mtp_utils_pytorch", "speculative decoding's PyTorch kernels")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.release_gates import import_or_skip
+from tests.support.release_gates import import_or_skip
 
 hybrid_block = import_or_skip("megatron.core.models.hybrid.hybrid_block", "HybridModel")
 
@@ -23,7 +23,7 @@ from nemo_rl_mtp.megatron_compat import hybrid_mtp_padding  # noqa: E402
 from nemo_rl_mtp.megatron_compat import hybrid_mtp_router  # noqa: E402
 from nemo_rl_mtp.megatron_compat._marks import is_shim  # noqa: E402
 from nemo_rl_mtp.training.batches import causal_attention_mask  # noqa: E402
-from tests.helpers import make_batch, make_policy  # noqa: E402
+from tests.support.helpers import make_batch, make_policy  # noqa: E402
 from tests.unit.training.test_hybrid_model import HYBRID, MOE_EXPERTS, STEP, drained_mtp_tracker, hybrid_model, hybrid_pattern  # noqa: F401, E402 (autouse)
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

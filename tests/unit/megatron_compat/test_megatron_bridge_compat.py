@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from nemo_rl_mtp.megatron_compat import megatron_bridge as compat
-from tests.release_gates import requires_megatron_bridge
+from tests.support.release_gates import requires_megatron_bridge
 
 pytestmark = requires_megatron_bridge()
 

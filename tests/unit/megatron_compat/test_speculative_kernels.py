@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from nemo_rl_mtp.megatron_compat import speculative_kernels
-from tests.release_gates import import_or_skip
+from tests.support.release_gates import import_or_skip
 
 mtp_utils_pytorch = import_or_skip("megatron.core.inference.text_generation_controllers.mtp_utils_pytorch", "speculative decoding's PyTorch kernels")
 

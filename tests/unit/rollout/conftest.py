@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from nemo_rl_mtp.training.imitation import imitation_step
-from tests.helpers import make_policy, task_demonstrations
-from tests.unit.rollout.engine_cases import SIZES, TOKENIZER, engine_overrides
+from tests.support.helpers import make_policy, task_demonstrations
+from tests.support.engine_cases import SIZES, TOKENIZER, engine_overrides
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,9 @@ from nemo_rl_mtp.rollout import auto_k as adaptive_speculation
 from nemo_rl_mtp.rollout.auto_k import AdaptiveSpeculation, batch_bucket, forecast_from_metrics
 from nemo_rl_mtp.rollout.engine import RolloutEngine
 from nemo_rl_mtp.config.load import ConfigError
-from tests.helpers import make_policy, recompute_sampler, tiny_config
-from tests.release_gates import on_this_release
-from tests.unit.rollout.engine_cases import PROMPTS, TOKENIZER, engine_overrides, generate, requires_speculation, speculation_skip_reason
+from tests.support.helpers import make_policy, recompute_sampler, tiny_config
+from tests.support.release_gates import on_this_release
+from tests.support.engine_cases import PROMPTS, TOKENIZER, engine_overrides, generate, requires_speculation, speculation_skip_reason
 
 COUNTS_NONE = {"draft_proposed": torch.zeros(0, dtype=torch.long), "draft_accepted": torch.zeros(0, dtype=torch.long)}
 

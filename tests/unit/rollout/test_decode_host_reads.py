@@ -21,8 +21,8 @@ from collections import Counter
 import pytest
 
 from nemo_rl_mtp.rollout.engine import RolloutEngine
-from tests.helpers import make_policy
-from tests.unit.rollout.engine_cases import PROMPTS, TOKENIZER, engine_overrides, requires_speculation
+from tests.support.helpers import make_policy
+from tests.support.engine_cases import PROMPTS, TOKENIZER, engine_overrides, requires_speculation
 from tests.unit.training.test_host_syncs import PACKAGE_DIR, HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

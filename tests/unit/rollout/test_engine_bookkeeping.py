@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from tests.unit.rollout.engine_cases import skip_module_without_speculation
+from tests.support.engine_cases import skip_module_without_speculation
 
 skip_module_without_speculation()
 
@@ -22,8 +22,8 @@ from nemo_rl_mtp.megatron_compat import engine_names  # noqa: E402
 from nemo_rl_mtp.megatron_compat import engine_release  # noqa: E402
 from nemo_rl_mtp.rollout.engine import RolloutEngine  # noqa: E402
 from nemo_rl_mtp.megatron_compat import speculative_kernels  # noqa: E402
-from tests.helpers import make_policy  # noqa: E402
-from tests.unit.rollout.engine_cases import PROMPTS, engine_overrides, generate  # noqa: E402
+from tests.support.helpers import make_policy  # noqa: E402
+from tests.support.engine_cases import PROMPTS, engine_overrides, generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

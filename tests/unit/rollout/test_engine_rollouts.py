@@ -14,10 +14,10 @@ from nemo_rl_mtp.rollout.engine import RolloutEngine
 from nemo_rl_mtp.rollout.speculation import speculation_metrics
 from nemo_rl_mtp.training.logprobs import compute_logprobs
 from nemo_rl_mtp.training.step import forward_backward_global_batch
-from tests.helpers import VOCAB_SIZE, make_policy, recompute_sampler, response_mask, task_demonstrations, tiny_config
-from tests.release_gates import on_this_release
-from tests.unit.rollout.engine_cases import PROMPTS, SIZES, TOKENIZER, drafts_where_possible, engine_overrides, requires_speculation
-from tests.unit.rollout.engine_cases import generate as _generate
+from tests.support.helpers import VOCAB_SIZE, make_policy, recompute_sampler, response_mask, task_demonstrations, tiny_config
+from tests.support.release_gates import on_this_release
+from tests.support.engine_cases import PROMPTS, SIZES, TOKENIZER, drafts_where_possible, engine_overrides, requires_speculation
+from tests.support.engine_cases import generate as _generate
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

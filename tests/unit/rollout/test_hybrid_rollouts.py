@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nemo_rl_mtp.rollout.engine import RolloutEngine
-from tests.helpers import make_policy, tiny_config
-from tests.unit.rollout.engine_cases import SIZES, engine_overrides, generate
+from tests.support.helpers import make_policy, tiny_config
+from tests.support.engine_cases import SIZES, engine_overrides, generate
 from tests.unit.training.test_hybrid_model import HYBRID, copy_gpt_weights, hybrid_model, hybrid_pattern
 
 pytestmark = [pytest.mark.usefixtures("megatron_world"), hybrid_model]

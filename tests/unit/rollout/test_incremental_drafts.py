@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.rollout.engine_cases import skip_module_without_speculation
+from tests.support.engine_cases import skip_module_without_speculation
 
 skip_module_without_speculation()
 
@@ -15,8 +15,8 @@ from nemo_rl_mtp.megatron_compat import engine_release  # noqa: E402
 from nemo_rl_mtp.rollout import incremental_drafts  # noqa: E402
 from nemo_rl_mtp.rollout.engine import RolloutEngine, kv_memory  # noqa: E402
 from nemo_rl_mtp.rollout.sequence_drafts import SequenceDrafts  # noqa: E402
-from tests.helpers import make_policy, tiny_config  # noqa: E402
-from tests.unit.rollout.engine_cases import PROMPTS, SIZES, engine_overrides, generate  # noqa: E402
+from tests.support.helpers import make_policy, tiny_config  # noqa: E402
+from tests.support.engine_cases import PROMPTS, SIZES, engine_overrides, generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

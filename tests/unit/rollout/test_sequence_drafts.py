@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.release_gates import on_this_release
-from tests.unit.rollout.engine_cases import skip_module_without_speculation
+from tests.support.release_gates import on_this_release
+from tests.support.engine_cases import skip_module_without_speculation
 
 skip_module_without_speculation()
 
@@ -17,8 +17,8 @@ from nemo_rl_mtp.rollout import incremental_drafts  # noqa: E402
 from nemo_rl_mtp.rollout import sequence_drafts  # noqa: E402
 from nemo_rl_mtp.rollout.engine import RolloutEngine  # noqa: E402
 from nemo_rl_mtp.training.module_modes import eval_mode  # noqa: E402
-from tests.helpers import eval_forward_logits, make_policy, response_mask, tiny_config  # noqa: E402
-from tests.unit.rollout.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides, generate  # noqa: E402
+from tests.support.helpers import eval_forward_logits, make_policy, response_mask, tiny_config  # noqa: E402
+from tests.support.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides, generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

@@ -14,8 +14,7 @@ from nemo_rl_mtp.tasks.jsonl_prompts import JsonlPrompts
 from nemo_rl_mtp.tasks.tokenizer import TextTokenizer
 from nemo_rl_mtp.config.load import ConfigError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from tiny_mimo_checkpoint import build_tokenizer  # noqa: E402
+from scripts.tiny_mimo_checkpoint import build_tokenizer  # noqa: E402
 
 HF_TOKENIZER = build_tokenizer()
 

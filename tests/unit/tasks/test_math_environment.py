@@ -19,9 +19,8 @@ from nemo_rl_mtp.tasks.interfaces import TaskPrompt
 from nemo_rl_mtp.tasks.tokenizer import TextTokenizer
 from nemo_rl_mtp.tasks.math_environment import MathEnvironment
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
 
-from tiny_mimo_checkpoint import build_tokenizer  # noqa: E402
+from scripts.tiny_mimo_checkpoint import build_tokenizer  # noqa: E402
 
 # (response text, reference answer, expected reward, expected answered)
 CASES = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import eval_forward_logits, make_batch, make_policy
+from tests.support.helpers import eval_forward_logits, make_batch, make_policy
 from tests.unit.training.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES, run_step
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_rl_mtp.training.checkpoint import load_model_weights, save_policy
-from tests.helpers import make_policy
+from tests.support.helpers import make_policy
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

@@ -12,7 +12,7 @@ from nemo_rl_mtp.training.batches import (
     pack_sequences,
     sequence_length_multiple,
 )
-from tests.helpers import make_batch, tiny_config
+from tests.support.helpers import make_batch, tiny_config
 
 
 def _all_responses(batch):

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from nemo_rl_mtp.training.losses import loss_sample_weights
 from nemo_rl_mtp.training.step import forward_backward_global_batch
-from tests.helpers import free_port, gradients, make_batch, make_policy
+from tests.support.helpers import free_port, gradients, make_batch, make_policy
 from tests.unit.training.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
 
 POLICY = dict(megatron_cfg__mtp_num_layers=2, train_micro_batch_size=2, train_global_batch_size=8)
@@ -31,13 +31,13 @@ def _data_parallel_rank(
     rank: int, world_size: int, init_method: str, weights_path: str, result_path: str, token_level_loss: bool, loss_type: str
 ):
     from nemo_rl_mtp.training.model import initialize_model_parallel
-    from tests.helpers import tiny_config
+    from tests.support.helpers import tiny_config
 
     from megatron.core.utils import check_param_hashes_across_dp_replicas
 
     from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
     from nemo_rl_mtp.training.model import setup_megatron_policy
-    from tests.helpers import VOCAB_SIZE
+    from tests.support.helpers import VOCAB_SIZE
 
     initialize_model_parallel(tiny_config().policy.megatron_cfg, rank, world_size, init_method)
     cfg = tiny_config(**POLICY, megatron_cfg__mtp_loss_type=loss_type).policy

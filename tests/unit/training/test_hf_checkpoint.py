@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out through the real megatron-bridge, on tiny random checkpoints
 in MiMo's layout written by ``scripts/tiny_mimo_checkpoint.py``; every expectation comes from the
-checkpoint's files or from transformers' side (``tests/hf_reference.py``), never from the bridge."""
+checkpoint's files or from transformers' side (``tests/support/hf_reference.py``), never from the bridge."""
 
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ from nemo_rl_mtp.training.imitation import imitation_step
 from nemo_rl_mtp.tasks.tokenizer import load_tokenizer
 from nemo_rl_mtp.training import hf_checkpoint
 from nemo_rl_mtp.config.load import ConfigError, load_config, resolve_checkpoint_keys
-from tests.helpers import eval_forward_logits, task_demonstrations
-from tests.hf_reference import hf_greedy, hf_logits, load_hf_model
-from tests.release_gates import requires_megatron_bridge
+from tests.support.helpers import eval_forward_logits, task_demonstrations
+from tests.support.hf_reference import hf_greedy, hf_logits, load_hf_model
+from tests.support.release_gates import requires_megatron_bridge
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-from tiny_mimo_checkpoint import write_tiny_mimo_checkpoint  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[3]
+from scripts.tiny_mimo_checkpoint import write_tiny_mimo_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("megatron_world"), requires_megatron_bridge()]
 TOKENS = torch.tensor([[1, 12, 40, 7, 99, 200, 3, 17, 55, 8, 140, 2], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]])
@@ -209,8 +208,7 @@ def test_a_qwen3_checkpoint_gets_new_heads_in_megatron_bridges_qwen3_mtp_layout(
     names megatron-bridge maps for Qwen3 (Qwen3-Next's ``mtp.*``)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    from tiny_mimo_checkpoint import build_tokenizer
+    from scripts.tiny_mimo_checkpoint import build_tokenizer
 
     config = Qwen3Config(
         vocab_size=336, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 import nemo_rl_mtp
 from nemo_rl_mtp.training.step import forward_backward_global_batch
-from tests.helpers import make_batch, make_policy
+from tests.support.helpers import make_batch, make_policy
 from tests.unit.training.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

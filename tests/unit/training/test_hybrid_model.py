@@ -14,8 +14,8 @@ import torch
 
 from nemo_rl_mtp.training.checkpoint import load_model_weights, save_policy
 from nemo_rl_mtp.training.step import forward_backward_global_batch, mtp_tracker_emptied
-from tests.helpers import eval_forward_logits, gradients, make_batch, make_policy
-from tests.release_gates import requires_config
+from tests.support.helpers import eval_forward_logits, gradients, make_batch, make_policy
+from tests.support.release_gates import requires_config
 from tests.unit.training.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

@@ -8,7 +8,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from nemo_rl_mtp.training.imitation import imitation_step
 from nemo_rl_mtp.cluster.worker import MegatronPolicyWorker
-from tests.helpers import make_batch, make_policy
+from tests.support.helpers import make_batch, make_policy
 from tests.unit.training.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

@@ -10,7 +10,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 
 from nemo_rl_mtp.training.losses import loss_sample_weights
 from nemo_rl_mtp.training.logprobs import compute_logprobs
-from tests.helpers import make_batch, make_policy
+from tests.support.helpers import make_batch, make_policy
 from tests.unit.training.test_mtp_training_step import (
     PG_LOSS,
     RAGGED_RESPONSES,

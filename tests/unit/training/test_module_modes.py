@@ -7,8 +7,8 @@ import pytest
 
 from nemo_rl_mtp.training.logprobs import compute_logprobs
 from nemo_rl_mtp.training.step import forward_backward_global_batch
-from tests.helpers import make_batch, make_policy
-from tests.release_gates import requires_config
+from tests.support.helpers import make_batch, make_policy
+from tests.support.release_gates import requires_config
 from tests.unit.training.test_mtp_training_step import BALANCED_RESPONSES, PG_LOSS
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

@@ -12,8 +12,8 @@ import torch
 
 from nemo_rl_mtp.training import moe
 from nemo_rl_mtp.training.batches import Microbatch
-from tests.helpers import make_batch, make_policy
-from tests.release_gates import requires_config
+from tests.support.helpers import make_batch, make_policy
+from tests.support.release_gates import requires_config
 from tests.unit.training.test_mtp_training_step import BALANCED_RESPONSES, PG_LOSS, run_step, zero_policy_loss
 
 MOE = {"megatron_cfg__num_moe_experts": 4, "megatron_cfg__moe_router_topk": 2, "megatron_cfg__mtp_num_layers": 1}
@@ -170,7 +170,7 @@ def test_global_batch_load_balancing_loss_is_the_switch_loss_of_the_whole_batch(
 
 
 def _global_statistics_cfg():
-    from tests.helpers import tiny_config
+    from tests.support.helpers import tiny_config
 
     return tiny_config(
         **MOE, megatron_cfg__moe_router_load_balancing_type=moe.GLOBAL_BATCH_AUX_LOSS, megatron_cfg__moe_aux_loss_coeff=0.0
@@ -237,7 +237,7 @@ def test_transformer_config_names_the_chosen_load_balancing(chosen, megatron_nam
     chose: megatron's own name for it, global-batch level for ``global_batch_aux_loss``, not the
     per-microbatch ``aux_loss``."""
     from nemo_rl_mtp.training.model import build_transformer_config
-    from tests.helpers import tiny_config
+    from tests.support.helpers import tiny_config
 
     megatron_cfg = tiny_config(**MOE, megatron_cfg__moe_router_load_balancing_type=chosen).policy.megatron_cfg
     assert build_transformer_config(megatron_cfg).moe_router_load_balancing_type == megatron_name

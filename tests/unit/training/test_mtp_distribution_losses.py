@@ -13,9 +13,9 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, 
 
 from nemo_rl_mtp.training.batches import local_valid_tokens
 from nemo_rl_mtp.training.draft_distributions import draft_terms, entropy_sum
-from tests.helpers import forward_logits, make_batch, make_policy, mtp_parameter_names
+from tests.support.helpers import forward_logits, make_batch, make_policy, mtp_parameter_names
 from tests.unit.training.test_setup import _release, needs_field
-from tests.release_gates import on_this_release
+from tests.support.release_gates import on_this_release
 from tests.unit.training.test_mtp_training_step import (
     RAGGED_RESPONSES,
     assert_same_gradients,
@@ -269,7 +269,7 @@ def test_kernel_over_two_tensor_parallel_ranks_equals_one_rank(tmp_path):
     entropy and gradient of the whole vocabulary on one rank, for every loss type."""
     import torch.multiprocessing as mp
 
-    from tests.helpers import free_port
+    from tests.support.helpers import free_port
 
     draft, policy, policy_index, mask, vocab_size = _kernel_case(shard=12, vocab_size=10)
     result_path = tmp_path / "tp2.pt"

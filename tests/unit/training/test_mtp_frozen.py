@@ -10,7 +10,7 @@ import torch
 from nemo_rl_mtp.training.checkpoint import save_policy
 from nemo_rl_mtp.training.step import IMITATION, MTPTraining, forward_backward_global_batch, train_global_batch
 from nemo_rl_mtp.cluster.worker import MegatronPolicyWorker
-from tests.helpers import gradients, make_batch, make_policy
+from tests.support.helpers import gradients, make_batch, make_policy
 from tests.unit.training.test_mtp_training_step import PG_LOSS, RAGGED_RESPONSES
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

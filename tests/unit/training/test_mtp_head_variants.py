@@ -22,8 +22,8 @@ from nemo_rl_mtp.training.losses import ClippedPGLossFn
 from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
 from nemo_rl_mtp.training.batches import causal_attention_mask, local_valid_tokens
 from nemo_rl_mtp.training.step import forward_backward_global_batch, optimizer_step
-from tests.helpers import gradients, make_batch, make_policy, mtp_parameter_names
-from tests.release_gates import requires_config
+from tests.support.helpers import gradients, make_batch, make_policy, mtp_parameter_names
+from tests.support.release_gates import requires_config
 from tests.unit.training.test_mtp_training_step import zero_policy_loss
 
 pytestmark = pytest.mark.usefixtures("megatron_world")

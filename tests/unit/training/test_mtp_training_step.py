@@ -13,7 +13,7 @@ from nemo_rl_mtp.training.losses import ClippedPGLossFn
 from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
 from nemo_rl_mtp.training.batches import causal_attention_mask, local_valid_tokens
 from nemo_rl_mtp.training.step import forward_backward_global_batch
-from tests.helpers import gradients, make_batch, make_policy, mtp_parameter_names
+from tests.support.helpers import gradients, make_batch, make_policy, mtp_parameter_names
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

@@ -11,8 +11,8 @@ from nemo_rl_mtp.training.model import (
     padded_vocab_size,
     resolve_transformer_impl,
 )
-from tests.helpers import make_policy, tiny_config
-from tests.release_gates import on_this_release
+from tests.support.helpers import make_policy, tiny_config
+from tests.support.release_gates import on_this_release
 
 
 def test_apply_mtp_config_copies_the_keys_present():

@@ -1,6 +1,7 @@
 """Synthetic RL batches for tests, benchmarks and the release matrix: prompt tokens, then
 response tokens (``token_mask`` 1), then padding, with random advantages. A test helper, not part
-of the product package; benchmarks and scripts import it with the repository root on sys.path."""
+of the product package; benchmarks and scripts import it as
+``tests.support.synthetic``, run as modules from the repository root (``python -m benchmarks.<name>``)."""
 
 from __future__ import annotations
 

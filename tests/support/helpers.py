@@ -10,9 +10,9 @@ import torch
 from nemo_rl_mtp.tasks.demonstrations import demonstration_batch
 from nemo_rl_mtp.tasks.digit_tasks import answer_ids, expected_answer, prompt_ids
 from nemo_rl_mtp.config.load import load_config
-from tests.synthetic import synthetic_rl_batch
+from tests.support.synthetic import synthetic_rl_batch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES = REPO_ROOT / "examples" / "configs"
 # examples/run_grpo.py's default recipe (the script names it; the package's command has none).
 DEFAULT_RECIPE = RECIPES / "grpo_mtp_tiny_cpu.yaml"
