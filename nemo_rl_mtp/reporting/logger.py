@@ -12,19 +12,35 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from nemo_rl_mtp.metrics import (
+    ACCURACY,
+    LOSS,
+    REWARD,
+    ROLLOUT,
+    ROLLOUT_DRAFT_ACCEPTANCE_RATE,
+    STEP_SECONDS,
+    TIMING,
+    TOKENS_PER_DECODE_STEP,
+    TRAIN,
+    TRAIN_MTP_ACCEPTANCE_RATE,
+    TRAIN_MTP_LOSS,
+    VALIDATION,
+    in_scope,
+)
+
 logger = logging.getLogger(__name__)
 
 # Shown in the progress bar, the latest value of each: (metric key, short label). MTP acceptance
 # in training (mtp_acc) next to the rollout's acceptance of the first draft token (draft_acc).
 PROGRESS_FIELDS = (
-    ("train/reward", "reward"),
-    ("val/accuracy", "val_acc"),
-    ("train/loss", "loss"),
-    ("train/mtp/mtp_1_loss", "mtp_loss"),
-    ("train/mtp/mtp_1_acceptance_rate", "mtp_acc"),
-    ("rollout/draft_1_acceptance_rate", "draft_acc"),
-    ("rollout/tokens_per_decode_step", "tok/step"),
-    ("timing/step_s", "step_s"),
+    (in_scope(TRAIN, REWARD), "reward"),
+    (in_scope(VALIDATION, ACCURACY), "val_acc"),
+    (in_scope(TRAIN, LOSS), "loss"),
+    (TRAIN_MTP_LOSS.key(1), "mtp_loss"),
+    (TRAIN_MTP_ACCEPTANCE_RATE.key(1), "mtp_acc"),
+    (ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(1), "draft_acc"),
+    (in_scope(ROLLOUT, TOKENS_PER_DECODE_STEP), "tok/step"),
+    (in_scope(TIMING, STEP_SECONDS), "step_s"),
 )
 
 
