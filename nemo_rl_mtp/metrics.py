@@ -31,6 +31,9 @@ import torch
 
 Value = TypeVar("Value")
 
+# Each row of a run's metrics.jsonl: the GRPO step it logs.
+STEP = "step"
+
 # Scopes: where a metric comes from, the first part of its logged key.
 TRAIN = "train/"
 VALIDATION = "val/"

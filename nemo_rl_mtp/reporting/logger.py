@@ -18,6 +18,7 @@ from nemo_rl_mtp.metrics import (
     REWARD,
     ROLLOUT,
     ROLLOUT_DRAFT_ACCEPTANCE_RATE,
+    STEP,
     STEP_SECONDS,
     TIMING,
     TOKENS_PER_DECODE_STEP,
@@ -95,7 +96,7 @@ class Logger:
         return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.write(json.dumps({STEP: step, **metrics}) + "\n")
         self.jsonl.flush()
         if self.tensorboard is not None:
             for key, value in metrics.items():
@@ -143,7 +144,7 @@ def _reachable(host: str, port: int, timeout: float = 2.0) -> bool:
 
 def _jsonl_continuing_at(path: Path, start_step: int):
     """The metrics file opened for appending, holding only its rows before ``start_step``."""
-    kept = [row for row in read_metrics(path) if row["step"] < start_step] if path.is_file() else []
+    kept = [row for row in read_metrics(path) if row[STEP] < start_step] if path.is_file() else []
     with open(path, "w") as handle:
         handle.writelines(json.dumps(row) + "\n" for row in kept)
     return open(path, "a")

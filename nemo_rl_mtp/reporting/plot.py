@@ -21,6 +21,7 @@ from nemo_rl_mtp.metrics import (  # noqa: E402
     REWARD,
     ROLLOUT,
     ROLLOUT_DRAFT_ACCEPTANCE_RATE,
+    STEP,
     TOKENS_PER_DECODE_STEP,
     TRAIN,
     TRAIN_MTP_ACCEPTANCE_RATE,
@@ -42,7 +43,7 @@ def plot_run(metrics_path: Path, output_path: Path) -> Path:
     figure, (reward_axis, loss_axis, acceptance_axis, speedup_axis) = plt.subplots(1, 4, figsize=(20, 4))
 
     def series(key):
-        points = [(row["step"], row[key]) for row in rows if key in row]
+        points = [(row[STEP], row[key]) for row in rows if key in row]
         return [step for step, _ in points], [value for _, value in points]
 
     reward_axis.plot(*series(in_scope(TRAIN, REWARD)), label="mean reward")
