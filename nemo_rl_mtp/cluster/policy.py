@@ -18,14 +18,10 @@ from nemo_rl_mtp.cluster.ray_cluster import (
     world_size,
 )
 from nemo_rl_mtp.cluster.worker import MegatronPolicyWorker
+from nemo_rl_mtp.metrics import TOKENS, merge_data_parallel
 
 logger = logging.getLogger(__name__)
 
-# How the data-parallel ranks' rollout results combine: per-sample tensors are concatenated,
-# decode steps come from the rank that needed most (ranks step in parallel), so does auto's choice
-# of drafts per step; counts (and tokens/s) are summed.
-ROLLOUT_KEYS = ("tokens", "lengths", "prompt_lengths", "logprobs")
-PARALLEL_KEYS = ("decode_steps", "speculative_tokens")
 WORKER_EXIT_TIMEOUT_S = 5
 
 
@@ -81,20 +77,10 @@ class Policy:
         """Rollouts (greedy ones with ``greedy``) of every data-parallel rank, in prompt order:
         ``tokens``, ``lengths``, ``prompt_lengths``, ``logprobs`` (see ``RolloutEngine.generate``);
         ``decode_steps`` of the slowest rank; ``draft_proposed``, ``draft_accepted`` summed over
-        the ranks."""
+        the ranks: each result merged as ``metrics.RANK_RESULT_REDUCTIONS`` declares (a result
+        without a declaration raises, naming it)."""
         shards = self._run_sharded("generate", prompts, eos_id, pad_id, seed, greedy)
-        width = max(shard["tokens"].shape[1] for shard in shards)
-        merged = {}
-        for key in shards[0]:
-            parts = [shard[key] for shard in shards]
-            if key in ROLLOUT_KEYS:
-                parts = [_pad_columns(part, width, pad_id if key == "tokens" else 0) for part in parts]
-                merged[key] = torch.cat(parts)
-            elif key in PARALLEL_KEYS:
-                merged[key] = torch.stack(parts).max(dim=0).values
-            else:
-                merged[key] = torch.stack(parts).sum(dim=0)
-        return merged
+        return merge_data_parallel(shards, pad_values={TOKENS: pad_id})
 
     def get_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat(self._run_sharded("get_logprobs", batch))
@@ -141,9 +127,3 @@ class Policy:
             ray.kill(worker)
         remove_placement_group(self.placement_group)
 
-
-def _pad_columns(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
-    """[B, S] rows right-padded to ``width`` columns; 1-D tensors unchanged."""
-    if tensor.dim() != 2:
-        return tensor
-    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)

@@ -32,6 +32,33 @@ from nemo_rl_mtp.grpo.run import PARTIAL_SUFFIX, CheckpointDirectory
 from nemo_rl_mtp.config.load import ConfigError, load_exemplar, resolve_checkpoint_keys
 from nemo_rl_mtp.config.schema import GRPOConfig, LoggerConfig, MasterConfig
 from nemo_rl_mtp.reporting.logger import Logger, read_metrics
+from nemo_rl_mtp.metrics import (
+    DECODE_STEPS,
+    GENERATION_LOGPROB_ERROR,
+    GENERATION_SECONDS,
+    KL_TO_START,
+    LENGTHS,
+    LOGPROBS,
+    LOGPROBS_SECONDS,
+    LOSS,
+    MTP,
+    MTP_ACCEPTANCE_RATE,
+    OPTIMIZER_STEPS,
+    PROMPT_LENGTHS,
+    RESPONSE_LENGTH,
+    ROLLOUT,
+    STEP_SECONDS,
+    TIMING,
+    TOKENS,
+    TOKENS_PER_S,
+    TRAIN,
+    TRAIN_SECONDS,
+    VALIDATION,
+    WARMUP,
+    all_in_scope,
+    in_scope,
+    moved_to_scope,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +76,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize: bool) ->
 def build_train_batch(generation: dict[str, torch.Tensor], advantages: torch.Tensor, token_level_loss: bool) -> dict[str, torch.Tensor]:
     """The policy's training inputs: response tokens (with the end-of-sequence token) are trained,
     each sample weighted for a token- or sequence-level loss (``loss_sample_weights``)."""
-    tokens, lengths, prompt_lengths = generation["tokens"], generation["lengths"], generation["prompt_lengths"]
+    tokens, lengths, prompt_lengths = generation[TOKENS], generation[LENGTHS], generation[PROMPT_LENGTHS]
     positions = torch.arange(tokens.shape[1])[None, :]
     token_mask = ((positions >= prompt_lengths[:, None]) & (positions < lengths[:, None])).float()
     return {
@@ -361,12 +388,12 @@ def warm_up(cfg: MasterConfig, policy, prompts: PromptSource, pad_id: int) -> di
         metrics = policy.imitate(prompt_demonstrations(batch_prompts, pad_id), grpo.warmup_lr)
     if not metrics:
         return {}
-    acceptance = metrics.get("mtp/mtp_1_acceptance_rate")
+    acceptance = metrics.get(MTP_ACCEPTANCE_RATE.under(MTP).key(1))
     logger.info(
         "warm start: %d imitation steps in %.0f s; loss %.3f%s", cfg.grpo.warmup_imitation_steps,
-        time.perf_counter() - start, metrics["loss"], "" if acceptance is None else f", MTP depth-1 acceptance {acceptance:.0f}%",
+        time.perf_counter() - start, metrics[LOSS], "" if acceptance is None else f", MTP depth-1 acceptance {acceptance:.0f}%",
     )  # fmt: skip
-    return {f"warmup/{key}": value for key, value in metrics.items()}
+    return all_in_scope(WARMUP, metrics)
 
 
 def _validation_due(grpo_cfg: GRPOConfig, step: int) -> bool:
@@ -380,14 +407,14 @@ def validate(policy, prompts: PromptSource, env: EnvironmentInterface, tokenizer
     held_out = prompts.validation_prompts
     generation = policy.generate([prompt.prompt_ids for prompt in held_out], tokenizer.eos_id, tokenizer.pad_id, seed=0, greedy=True)
     result = env.step(held_out, responses_of(generation))
-    metrics = {f"val/{key}": value for key, value in env.metrics(result).items()}
-    metrics.update({f"val/{key.removeprefix('rollout/')}": value for key, value in speculation_metrics(generation).items()})
+    metrics = all_in_scope(VALIDATION, env.metrics(result))
+    metrics.update({moved_to_scope(key, ROLLOUT, VALIDATION): value for key, value in speculation_metrics(generation).items()})
     return metrics
 
 
 def responses_of(generation: dict[str, torch.Tensor]) -> list[list[int]]:
     """Each rollout's response tokens (after its prompt, up to its length)."""
-    tokens, starts, ends = generation["tokens"], generation["prompt_lengths"], generation["lengths"]
+    tokens, starts, ends = generation[TOKENS], generation[PROMPT_LENGTHS], generation[LENGTHS]
     return [tokens[row, starts[row] : ends[row]].tolist() for row in range(tokens.shape[0])]
 
 
@@ -422,7 +449,7 @@ def grpo_step(cfg: MasterConfig, step: int, policy, prompts: PromptSource, env: 
 
     samples: list[TaskPrompt] = [prompt for prompt in prompts.next_prompts(grpo.num_prompts_per_step) for _ in range(group_size)]
     generation = policy.generate([sample.prompt_ids for sample in samples], tokenizer.eos_id, tokenizer.pad_id, seed=grpo.seed * 100_003 + step)
-    timings["generation_s"] = time.perf_counter() - start
+    timings[GENERATION_SECONDS] = time.perf_counter() - start
 
     judged = env.step(samples, responses_of(generation))
     rewards = judged.rewards
@@ -435,8 +462,8 @@ def grpo_step(cfg: MasterConfig, step: int, policy, prompts: PromptSource, env: 
         batch["reference_logprobs"] = policy.get_reference_logprobs(batch)
     kl_to_start = {}
     if grpo.log_kl_to_start_of_rl:
-        kl_to_start["train/kl_to_start"] = kl_on_tokens(batch["prev_logprobs"], policy.get_start_of_rl_logprobs(batch), batch["token_mask"])
-    timings["logprobs_s"] = time.perf_counter() - logprobs_start
+        kl_to_start[in_scope(TRAIN, KL_TO_START)] = kl_on_tokens(batch["prev_logprobs"], policy.get_start_of_rl_logprobs(batch), batch["token_mask"])
+    timings[LOGPROBS_SECONDS] = time.perf_counter() - logprobs_start
 
     train_start = time.perf_counter()
     train_metrics = []
@@ -444,25 +471,25 @@ def grpo_step(cfg: MasterConfig, step: int, policy, prompts: PromptSource, env: 
     for first in range(0, len(samples), global_batch_size):
         minibatch = {key: value[first : first + global_batch_size] for key, value in batch.items()}
         train_metrics.append(policy.train(minibatch, loss_fn))
-    timings["train_s"] = time.perf_counter() - train_start
-    timings["step_s"] = time.perf_counter() - start
+    timings[TRAIN_SECONDS] = time.perf_counter() - train_start
+    timings[STEP_SECONDS] = time.perf_counter() - start
 
     response_tokens = batch["token_mask"].sum()
-    metrics = {f"train/{key}": value for key, value in env.metrics(judged).items()}
+    metrics = all_in_scope(TRAIN, env.metrics(judged))
     metrics.update(prompts.counters())
     metrics.update({
-        "train/response_length": (response_tokens / len(samples)).item(),
-        "rollout/tokens_per_s": (response_tokens / timings["generation_s"]).item(),
-        "rollout/decode_steps": float(generation["decode_steps"]),
+        in_scope(TRAIN, RESPONSE_LENGTH): (response_tokens / len(samples)).item(),
+        in_scope(ROLLOUT, TOKENS_PER_S): (response_tokens / timings[GENERATION_SECONDS]).item(),
+        in_scope(ROLLOUT, DECODE_STEPS): float(generation[DECODE_STEPS]),
         # Generation and training compute a token's logprob in different passes; they must agree.
-        "train/generation_logprob_error": (
-            ((generation["logprobs"] - batch["prev_logprobs"]).abs() * batch["token_mask"]).sum() / response_tokens
+        in_scope(TRAIN, GENERATION_LOGPROB_ERROR): (
+            ((generation[LOGPROBS] - batch["prev_logprobs"]).abs() * batch["token_mask"]).sum() / response_tokens
         ).item(),
     })
-    for key in train_metrics[0]:
-        metrics[f"train/{key}"] = sum(m[key] for m in train_metrics) / len(train_metrics)
-    metrics["train/optimizer_steps"] = float(len(train_metrics))
+    mean_over_optimizer_steps = {key: sum(m[key] for m in train_metrics) / len(train_metrics) for key in train_metrics[0]}
+    metrics.update(all_in_scope(TRAIN, mean_over_optimizer_steps))
+    metrics[in_scope(TRAIN, OPTIMIZER_STEPS)] = float(len(train_metrics))
     metrics.update(kl_to_start)
     metrics.update(speculation_metrics(generation))
-    metrics.update({f"timing/{key}": value for key, value in timings.items()})
+    metrics.update(all_in_scope(TIMING, timings))
     return metrics

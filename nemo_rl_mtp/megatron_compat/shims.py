@@ -24,6 +24,7 @@ from nemo_rl_mtp.megatron_compat import metrics_tracker
 from nemo_rl_mtp.megatron_compat import mtp_loss_callable
 from nemo_rl_mtp.megatron_compat import recompute
 from nemo_rl_mtp.megatron_compat import rl_labels
+from nemo_rl_mtp.metrics import MTP_TARGET_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def assert_mtp_trained(
 def layers_without_targets(mtp_metrics: dict) -> list[int]:
     """MTP layers (1-indexed) that predicted no masked position in the step."""
     return [
-        int(key.split("_")[1]) for key, count in mtp_metrics.items() if key.endswith("_target_tokens") and count == 0
+        layer for key, count in mtp_metrics.items() if (layer := MTP_TARGET_TOKENS.index(key)) is not None and count == 0
     ]
 
 

@@ -12,19 +12,36 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from nemo_rl_mtp.metrics import (
+    ACCURACY,
+    LOSS,
+    REWARD,
+    ROLLOUT,
+    ROLLOUT_DRAFT_ACCEPTANCE_RATE,
+    STEP,
+    STEP_SECONDS,
+    TIMING,
+    TOKENS_PER_DECODE_STEP,
+    TRAIN,
+    TRAIN_MTP_ACCEPTANCE_RATE,
+    TRAIN_MTP_LOSS,
+    VALIDATION,
+    in_scope,
+)
+
 logger = logging.getLogger(__name__)
 
 # Shown in the progress bar, the latest value of each: (metric key, short label). MTP acceptance
 # in training (mtp_acc) next to the rollout's acceptance of the first draft token (draft_acc).
 PROGRESS_FIELDS = (
-    ("train/reward", "reward"),
-    ("val/accuracy", "val_acc"),
-    ("train/loss", "loss"),
-    ("train/mtp/mtp_1_loss", "mtp_loss"),
-    ("train/mtp/mtp_1_acceptance_rate", "mtp_acc"),
-    ("rollout/draft_1_acceptance_rate", "draft_acc"),
-    ("rollout/tokens_per_decode_step", "tok/step"),
-    ("timing/step_s", "step_s"),
+    (in_scope(TRAIN, REWARD), "reward"),
+    (in_scope(VALIDATION, ACCURACY), "val_acc"),
+    (in_scope(TRAIN, LOSS), "loss"),
+    (TRAIN_MTP_LOSS.key(1), "mtp_loss"),
+    (TRAIN_MTP_ACCEPTANCE_RATE.key(1), "mtp_acc"),
+    (ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(1), "draft_acc"),
+    (in_scope(ROLLOUT, TOKENS_PER_DECODE_STEP), "tok/step"),
+    (in_scope(TIMING, STEP_SECONDS), "step_s"),
 )
 
 
@@ -79,7 +96,7 @@ class Logger:
         return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.write(json.dumps({STEP: step, **metrics}) + "\n")
         self.jsonl.flush()
         if self.tensorboard is not None:
             for key, value in metrics.items():
@@ -127,7 +144,7 @@ def _reachable(host: str, port: int, timeout: float = 2.0) -> bool:
 
 def _jsonl_continuing_at(path: Path, start_step: int):
     """The metrics file opened for appending, holding only its rows before ``start_step``."""
-    kept = [row for row in read_metrics(path) if row["step"] < start_step] if path.is_file() else []
+    kept = [row for row in read_metrics(path) if row[STEP] < start_step] if path.is_file() else []
     with open(path, "w") as handle:
         handle.writelines(json.dumps(row) + "\n" for row in kept)
     return open(path, "a")

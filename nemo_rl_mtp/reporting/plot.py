@@ -9,7 +9,6 @@ step with speculation.
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import matplotlib
@@ -17,45 +16,57 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from nemo_rl_mtp.metrics import (  # noqa: E402
+    ACCURACY,
+    REWARD,
+    ROLLOUT,
+    ROLLOUT_DRAFT_ACCEPTANCE_RATE,
+    STEP,
+    TOKENS_PER_DECODE_STEP,
+    TRAIN,
+    TRAIN_MTP_ACCEPTANCE_RATE,
+    TRAIN_MTP_EXPECTED_ACCEPTANCE,
+    TRAIN_MTP_LOSS,
+    VALIDATION,
+    in_scope,
+)
 from nemo_rl_mtp.reporting.logger import read_metrics  # noqa: E402
-
-_LAYER_KEY = re.compile(r"^train/mtp/mtp_(\d+)_(loss|acceptance_rate)$")
-_DRAFT_KEY = re.compile(r"^rollout/draft_(\d+)_acceptance_rate$")
 
 
 def plot_run(metrics_path: Path, output_path: Path) -> Path:
     rows = read_metrics(metrics_path)
     if not rows:
         raise ValueError(f"{metrics_path} holds no steps")
-    layers = sorted({int(m.group(1)) for row in rows for key in row if (m := _LAYER_KEY.match(key))})
-    drafts = sorted({int(m.group(1)) for row in rows for key in row if (m := _DRAFT_KEY.match(key))})
+    logged = {key for row in rows for key in row}
+    layers = sorted(set(TRAIN_MTP_LOSS.indices(logged)) | set(TRAIN_MTP_ACCEPTANCE_RATE.indices(logged)))
+    drafts = ROLLOUT_DRAFT_ACCEPTANCE_RATE.indices(logged)
     figure, (reward_axis, loss_axis, acceptance_axis, speedup_axis) = plt.subplots(1, 4, figsize=(20, 4))
 
     def series(key):
-        points = [(row["step"], row[key]) for row in rows if key in row]
+        points = [(row[STEP], row[key]) for row in rows if key in row]
         return [step for step, _ in points], [value for _, value in points]
 
-    reward_axis.plot(*series("train/reward"), label="mean reward")
-    if any("train/accuracy" in row for row in rows):
-        reward_axis.plot(*series("train/accuracy"), label="exact answers")
-    if any("val/accuracy" in row for row in rows):
-        reward_axis.plot(*series("val/accuracy"), marker="o", label="validation: exact answers (greedy)")
+    reward_axis.plot(*series(in_scope(TRAIN, REWARD)), label="mean reward")
+    if in_scope(TRAIN, ACCURACY) in logged:
+        reward_axis.plot(*series(in_scope(TRAIN, ACCURACY)), label="exact answers")
+    if in_scope(VALIDATION, ACCURACY) in logged:
+        reward_axis.plot(*series(in_scope(VALIDATION, ACCURACY)), marker="o", label="validation: exact answers (greedy)")
     reward_axis.set(title="Reward", xlabel="step", ylim=(0, 1))
     reward_axis.legend()
     for layer in layers:
         colour = f"C{layer - 1}"
-        loss_axis.plot(*series(f"train/mtp/mtp_{layer}_loss"), color=colour, label=f"MTP layer {layer}")
+        loss_axis.plot(*series(TRAIN_MTP_LOSS.key(layer)), color=colour, label=f"MTP layer {layer}")
         acceptance_axis.plot(
-            *series(f"train/mtp/mtp_{layer}_acceptance_rate"), color=colour, label=f"training top-1, MTP layer {layer}"
+            *series(TRAIN_MTP_ACCEPTANCE_RATE.key(layer)), color=colour, label=f"training top-1, MTP layer {layer}"
         )
-        if any(f"train/mtp/mtp_{layer}_expected_acceptance" in row for row in rows):
+        if TRAIN_MTP_EXPECTED_ACCEPTANCE.key(layer) in logged:
             acceptance_axis.plot(
-                *series(f"train/mtp/mtp_{layer}_expected_acceptance"), color=colour, linestyle=":",
+                *series(TRAIN_MTP_EXPECTED_ACCEPTANCE.key(layer)), color=colour, linestyle=":",
                 label=f"forecast (rejection sampling), layer {layer}",
             )
     for draft in drafts:
         acceptance_axis.plot(
-            *series(f"rollout/draft_{draft}_acceptance_rate"), color=f"C{draft - 1}", linestyle="--",
+            *series(ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(draft)), color=f"C{draft - 1}", linestyle="--",
             label=f"rollout, draft {draft}",
         )
     loss_axis.set(title="MTP loss", xlabel="step")
@@ -67,7 +78,7 @@ def plot_run(metrics_path: Path, output_path: Path) -> Path:
             axis.text(0.5, 0.5, "MTP off", ha="center", va="center", transform=axis.transAxes)
     speedup_axis.set(title="Tokens per decode step", xlabel="step")
     if drafts:
-        speedup_axis.plot(*series("rollout/tokens_per_decode_step"), color="C3")
+        speedup_axis.plot(*series(in_scope(ROLLOUT, TOKENS_PER_DECODE_STEP)), color="C3")
         speedup_axis.set_ylim(1, 1 + max(drafts))
     else:
         speedup_axis.text(0.5, 0.5, "no speculation", ha="center", va="center", transform=speedup_axis.transAxes)

@@ -42,6 +42,19 @@ import time
 
 import torch
 
+from nemo_rl_mtp.metrics import (
+    DECODE_STEPS,
+    DRAFT_ACCEPTED_COUNTS,
+    DRAFT_PROPOSED_COUNTS,
+    ENGINE_TOKENS_PER_S,
+    EXPECTED_TOKENS_PER_S,
+    LENGTHS,
+    MTP,
+    MTP_EXPECTED_ACCEPTANCE,
+    PROMPT_LENGTHS,
+    SPECULATIVE_TOKENS,
+)
+
 # Decode steps each candidate k runs in each of the profile's two passes (after its prefill step).
 PROFILE_DECODE_STEPS = 6
 # A measured acceptance needs at least this many proposals to be trusted.
@@ -104,7 +117,7 @@ class AdaptiveSpeculation:
         """Decode-step times of every candidate on this batch size; the counts of the deepest
         candidate are a first, rough acceptance."""
         self.profiled[bucket] = dict(seconds_per_step)
-        for position, rate in acceptance_rates(counts["draft_proposed"], counts["draft_accepted"]).items():
+        for position, rate in acceptance_rates(counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS]).items():
             self.measured[greedy].setdefault(position, rate)
 
     def observe_forecast(self, per_depth_overlap: list[float]) -> None:
@@ -163,12 +176,13 @@ class AdaptiveSpeculation:
         self.rollouts[bucket] = self.rollouts.get(bucket, 0) + 1
         self.step_seconds.setdefault(bucket, {})[k] = (seconds / max(steps, 1), self.rollouts[bucket])
         self.latest[bucket] = k
-        rates = acceptance_rates(counts["draft_proposed"], counts["draft_accepted"])
+        rates = acceptance_rates(counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS])
         self.measured[greedy].update(rates)
         self.measured_since_training[greedy] |= set(rates)
         tokens_per_request_step = 1.0
-        if k and counts["draft_proposed"].numel() and int(counts["draft_proposed"][0]):
-            tokens_per_request_step += float(counts["draft_accepted"].sum()) / float(counts["draft_proposed"][0])
+        proposed, accepted = counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS]
+        if k and proposed.numel() and int(proposed[0]):
+            tokens_per_request_step += float(accepted.sum()) / float(proposed[0])
         self.requests_per_step[bucket] = tokens / (max(steps, 1) * tokens_per_request_step)
 
 
@@ -188,7 +202,7 @@ def forecast_from_metrics(metrics: dict[str, float]) -> list[float]:
     """The training step's ``mtp/mtp_{d}_expected_acceptance`` (percent) as rates per depth."""
     rates = []
     for depth in itertools.count(1):
-        value = metrics.get(f"mtp/mtp_{depth}_expected_acceptance")
+        value = metrics.get(MTP_EXPECTED_ACCEPTANCE.under(MTP).key(depth))
         if value is None:
             return rates
         rates.append(value / 100.0)
@@ -263,12 +277,12 @@ def agreed_with_model_parallel_peers(value):
 def record(tuner: AdaptiveSpeculation, choice: Choice, rollouts: dict[str, torch.Tensor], greedy: bool, seconds: float) -> dict[str, torch.Tensor]:
     """After the rollout: what it measured goes to the tuner; the choice and the tokens/s
     expected and delivered go to the rollout's results."""
-    tokens = int((rollouts["lengths"] - rollouts["prompt_lengths"]).sum())
-    counts = {"draft_proposed": rollouts["draft_proposed"], "draft_accepted": rollouts["draft_accepted"]}
-    bucket = batch_bucket(rollouts["lengths"].numel())
-    tuner.record_rollout(bucket, greedy, choice.num_speculative_tokens, seconds, int(rollouts["decode_steps"]), tokens, counts)
+    tokens = int((rollouts[LENGTHS] - rollouts[PROMPT_LENGTHS]).sum())
+    counts = {DRAFT_PROPOSED_COUNTS: rollouts[DRAFT_PROPOSED_COUNTS], DRAFT_ACCEPTED_COUNTS: rollouts[DRAFT_ACCEPTED_COUNTS]}
+    bucket = batch_bucket(rollouts[LENGTHS].numel())
+    tuner.record_rollout(bucket, greedy, choice.num_speculative_tokens, seconds, int(rollouts[DECODE_STEPS]), tokens, counts)
     return {
-        "speculative_tokens": torch.tensor(choice.num_speculative_tokens),
-        "expected_tokens_per_s": torch.tensor(choice.expected_tokens_per_s),
-        "engine_tokens_per_s": torch.tensor(tokens / seconds),
+        SPECULATIVE_TOKENS: torch.tensor(choice.num_speculative_tokens),
+        EXPECTED_TOKENS_PER_S: torch.tensor(choice.expected_tokens_per_s),
+        ENGINE_TOKENS_PER_S: torch.tensor(tokens / seconds),
     }

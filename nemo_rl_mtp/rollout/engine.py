@@ -35,6 +35,7 @@ from nemo_rl_mtp.training.module_modes import eval_mode
 from nemo_rl_mtp.training.model import MegatronPolicyModel
 from nemo_rl_mtp.training.vocabulary import mask_ids_past_vocabulary
 from nemo_rl_mtp.config.schema import GenerationConfig, PolicyConfig
+from nemo_rl_mtp.metrics import DECODE_STEPS, LENGTHS, LOGPROBS, PROMPT_LENGTHS, TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class RolloutEngine:
             responses, decode_steps = self.run(prompts, params, seed)
             seconds = clock() - start
         rollouts = right_padded_rollouts(prompts, responses, eos_id, pad_id)
-        rollouts["decode_steps"] = torch.tensor(decode_steps)
+        rollouts[DECODE_STEPS] = torch.tensor(decode_steps)
         rollouts.update(speculation_counts(self.engine))
         if choice is not None:
             rollouts.update(auto_k.record(self.adaptive, choice, rollouts, greedy, seconds))
@@ -344,7 +345,7 @@ def right_padded_rollouts(prompts: list[list[int]], responses: list, eos_id: int
         logprobs[row, len(prompt) : len(prompt) + len(response)] = torch.tensor(
             request.generated_log_probs[: len(response)]
         )
-    return {"tokens": tokens, "lengths": lengths, "prompt_lengths": prompt_lengths, "logprobs": logprobs}
+    return {TOKENS: tokens, LENGTHS: lengths, PROMPT_LENGTHS: prompt_lengths, LOGPROBS: logprobs}
 
 
 def _through_first(tokens: list[int], eos_id: int) -> list[int]:

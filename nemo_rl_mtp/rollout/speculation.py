@@ -31,6 +31,21 @@ from __future__ import annotations
 import torch
 
 from nemo_rl_mtp.megatron_compat import engine_release
+from nemo_rl_mtp.metrics import (
+    ACCEPTED_DRAFTS_PER_DECODE_STEP,
+    DRAFT_ACCEPTANCE_RATE,
+    DRAFT_ACCEPTED,
+    DRAFT_ACCEPTED_COUNTS,
+    DRAFT_PROPOSED,
+    DRAFT_PROPOSED_COUNTS,
+    ENGINE_TOKENS_PER_S,
+    EXPECTED_TOKENS_PER_S,
+    NUM_SPECULATIVE_TOKENS,
+    ROLLOUT,
+    SPECULATIVE_TOKENS,
+    TOKENS_PER_DECODE_STEP,
+    in_scope,
+)
 
 
 def max_speculative_tokens(megatron_cfg) -> int | None:
@@ -76,9 +91,9 @@ def speculation_counts(engine) -> dict[str, torch.Tensor]:
     before it were). ``[0]`` without speculation."""
     controller = engine.controller
     if not hasattr(controller, "acceptance_counts"):
-        return {"draft_proposed": torch.zeros(0, dtype=torch.int64), "draft_accepted": torch.zeros(0, dtype=torch.int64)}
+        return {DRAFT_PROPOSED_COUNTS: torch.zeros(0, dtype=torch.int64), DRAFT_ACCEPTED_COUNTS: torch.zeros(0, dtype=torch.int64)}
     proposed, accepted = controller.acceptance_counts()
-    return {"draft_proposed": proposed.clone(), "draft_accepted": accepted.clone()}
+    return {DRAFT_PROPOSED_COUNTS: proposed.clone(), DRAFT_ACCEPTED_COUNTS: accepted.clone()}
 
 
 def speculation_metrics(counts: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -87,18 +102,18 @@ def speculation_metrics(counts: dict[str, torch.Tensor]) -> dict[str, float]:
     step it chose and the tokens/s it expected and the engine delivered. ``{}`` without
     speculation."""
     metrics = {}
-    if "speculative_tokens" in counts:
-        metrics["rollout/num_speculative_tokens"] = float(counts["speculative_tokens"])
-        metrics["rollout/expected_tokens_per_s"] = float(counts["expected_tokens_per_s"])
-        metrics["rollout/engine_tokens_per_s"] = float(counts["engine_tokens_per_s"])
-    proposed, accepted = counts["draft_proposed"].double(), counts["draft_accepted"].double()
+    if SPECULATIVE_TOKENS in counts:
+        metrics[in_scope(ROLLOUT, NUM_SPECULATIVE_TOKENS)] = float(counts[SPECULATIVE_TOKENS])
+        metrics[in_scope(ROLLOUT, EXPECTED_TOKENS_PER_S)] = float(counts[EXPECTED_TOKENS_PER_S])
+        metrics[in_scope(ROLLOUT, ENGINE_TOKENS_PER_S)] = float(counts[ENGINE_TOKENS_PER_S])
+    proposed, accepted = counts[DRAFT_PROPOSED_COUNTS].double(), counts[DRAFT_ACCEPTED_COUNTS].double()
     if proposed.numel() == 0:
         return metrics
     for position, (num_proposed, num_accepted) in enumerate(zip(proposed.tolist(), accepted.tolist()), start=1):
-        metrics[f"rollout/draft_{position}_proposed"] = num_proposed
-        metrics[f"rollout/draft_{position}_accepted"] = num_accepted
-        metrics[f"rollout/draft_{position}_acceptance_rate"] = 100.0 * num_accepted / max(num_proposed, 1.0)
+        metrics[DRAFT_PROPOSED.under(ROLLOUT).key(position)] = num_proposed
+        metrics[DRAFT_ACCEPTED.under(ROLLOUT).key(position)] = num_accepted
+        metrics[DRAFT_ACCEPTANCE_RATE.under(ROLLOUT).key(position)] = 100.0 * num_accepted / max(num_proposed, 1.0)
     accepted_per_step = float(accepted.sum() / proposed[0].clamp(min=1))
-    metrics["rollout/accepted_drafts_per_decode_step"] = accepted_per_step
-    metrics["rollout/tokens_per_decode_step"] = 1.0 + accepted_per_step
+    metrics[in_scope(ROLLOUT, ACCEPTED_DRAFTS_PER_DECODE_STEP)] = accepted_per_step
+    metrics[in_scope(ROLLOUT, TOKENS_PER_DECODE_STEP)] = 1.0 + accepted_per_step
     return metrics

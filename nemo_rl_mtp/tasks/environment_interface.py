@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from nemo_rl_mtp.tasks.interfaces import TaskPrompt
+from nemo_rl_mtp.metrics import ACCURACY, REWARD
 
 
 @dataclass
@@ -44,4 +45,4 @@ class EnvironmentInterface(abc.ABC):
         """Metrics of a judged batch, unprefixed (GRPO logs them as ``train/...`` and
         ``val/...``): the mean reward, and ``accuracy``, the share of responses with reward 1."""
         rewards = result.rewards.float()
-        return {"reward": rewards.mean().item(), "accuracy": (rewards == 1.0).float().mean().item()}
+        return {REWARD: rewards.mean().item(), ACCURACY: (rewards == 1.0).float().mean().item()}

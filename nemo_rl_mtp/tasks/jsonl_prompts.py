@@ -19,6 +19,7 @@ import torch
 
 from nemo_rl_mtp.tasks.interfaces import PromptSource, TaskPrompt
 from nemo_rl_mtp.config.load import ConfigError
+from nemo_rl_mtp.metrics import DATA, EPOCH, SKIPPED_PROMPTS, TRUNCATED_PROMPTS, all_in_scope
 
 logger = logging.getLogger(__name__)
 
@@ -185,4 +186,5 @@ class JsonlPrompts(PromptSource):
         self._usable_this_epoch = self.position > 0  # unknown mid-epoch: assume the epoch had one
 
     def counters(self) -> dict[str, float]:
-        return {"data/skipped_prompts": float(self.skipped), "data/truncated_prompts": float(self.truncated), "data/epoch": float(self.epoch)}
+        counts = {SKIPPED_PROMPTS: float(self.skipped), TRUNCATED_PROMPTS: float(self.truncated), EPOCH: float(self.epoch)}
+        return all_in_scope(DATA, counts)

@@ -23,6 +23,7 @@ from nemo_rl_mtp.tasks.interfaces import TaskPrompt
 from nemo_rl_mtp.tasks.tokenizer import TextTokenizer
 from nemo_rl_mtp.tasks.environment_interface import EnvironmentInterface, EnvironmentReturn
 from nemo_rl_mtp.tasks.math_verify_worker import MathVerifyProcess
+from nemo_rl_mtp.metrics import ANSWER_RATE
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # A number as written in prose: an optional sign (a minus right after a word, digit or closing
@@ -130,7 +131,7 @@ class MathEnvironment(EnvironmentInterface):
 
     def metrics(self, result: EnvironmentReturn) -> dict[str, float]:
         answered = [sample["answered"] for sample in result.metadata]
-        return {**super().metrics(result), "answer_rate": sum(answered) / max(len(answered), 1)}
+        return {**super().metrics(result), ANSWER_RATE: sum(answered) / max(len(answered), 1)}
 
     def close(self) -> None:
         self.verifier.close()

@@ -9,6 +9,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from nemo_rl_mtp.metrics import MTP_ACCEPTANCE_RATE, MTP_LOSS, MTP_TARGET_TOKENS
+
 
 def get_mtp_metrics(num_microbatches: int) -> dict[str, float]:
     """Per MTP layer (1-indexed): ``mtp_{i}_loss``, ``mtp_{i}_acceptance_rate`` and
@@ -30,9 +32,9 @@ def get_mtp_metrics(num_microbatches: int) -> dict[str, float]:
     tracker.clear()
     metrics = {}
     for layer, (loss, rate, count) in enumerate(zip(losses, acceptance, targets), start=1):
-        metrics[f"mtp_{layer}_loss"] = loss
-        metrics[f"mtp_{layer}_acceptance_rate"] = rate
-        metrics[f"mtp_{layer}_target_tokens"] = count
+        metrics[MTP_LOSS.key(layer)] = loss
+        metrics[MTP_ACCEPTANCE_RATE.key(layer)] = rate
+        metrics[MTP_TARGET_TOKENS.key(layer)] = count
     return metrics
 
 

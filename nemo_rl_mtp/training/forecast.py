@@ -34,7 +34,9 @@ import functools
 import torch
 from megatron.core.transformer.multi_token_prediction import roll_tensor
 
-_SUM, _COUNT = "mtp/mtp_{}_expected_acceptance_sum", "mtp/mtp_{}_expected_acceptance_count"
+from nemo_rl_mtp.metrics import MTP, MTP_EXPECTED_ACCEPTANCE, MTP_EXPECTED_ACCEPTANCE_COUNT, MTP_EXPECTED_ACCEPTANCE_SUM
+
+_SUM, _COUNT = MTP_EXPECTED_ACCEPTANCE_SUM.under(MTP), MTP_EXPECTED_ACCEPTANCE_COUNT.under(MTP)
 
 
 @dataclasses.dataclass
@@ -125,13 +127,13 @@ class DraftLogits:
 def with_expected_acceptance(metrics: dict[str, float]) -> dict[str, float]:
     """The step's global sums replaced by ``mtp/mtp_{i}_expected_acceptance`` in percent."""
     depth = 1
-    while _SUM.format(depth) in metrics:
-        total, count = metrics.pop(_SUM.format(depth)), metrics.pop(_COUNT.format(depth))
-        metrics[f"mtp/mtp_{depth}_expected_acceptance"] = 100.0 * total / max(count, 1.0)
+    while _SUM.key(depth) in metrics:
+        total, count = metrics.pop(_SUM.key(depth)), metrics.pop(_COUNT.key(depth))
+        metrics[MTP_EXPECTED_ACCEPTANCE.under(MTP).key(depth)] = 100.0 * total / max(count, 1.0)
         depth += 1
     return metrics
 
 
 def forecast_sums(depth: int, overlap_sum: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
     """One microbatch's share of depth ``depth``'s (0-based) forecast."""
-    return {_SUM.format(depth + 1): overlap_sum, _COUNT.format(depth + 1): torch.full((), float(count), device=overlap_sum.device)}
+    return {_SUM.key(depth + 1): overlap_sum, _COUNT.key(depth + 1): torch.full((), float(count), device=overlap_sum.device)}

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_rl_mtp.metrics import CLIP_FRACTION, KL, LOSS, PROBS_RATIO
+
 
 @dataclass(frozen=True)
 class ClippedPGLossFn:
@@ -35,14 +37,14 @@ class ClippedPGLossFn:
         unclipped = -advantages * ratio
         clipped = -advantages * ratio.clamp(1.0 - self.ratio_clip_min, 1.0 + self.ratio_clip_max)
         per_token = torch.maximum(unclipped, clipped)
-        metrics = {"clip_fraction": _token_mean((clipped > unclipped).float(), mask, global_valid_tokens)}
+        metrics = {CLIP_FRACTION: _token_mean((clipped > unclipped).float(), mask, global_valid_tokens)}
         if self.reference_policy_kl_penalty > 0:
             kl = k3_kl(logprobs, inputs["reference_logprobs"])
             per_token = per_token + self.reference_policy_kl_penalty * kl
-            metrics["kl"] = _token_mean(kl.detach(), mask, global_valid_tokens)
+            metrics[KL] = _token_mean(kl.detach(), mask, global_valid_tokens)
         loss = _token_mean(per_token, mask, global_valid_tokens)
-        metrics["loss"] = loss.detach()
-        metrics["probs_ratio"] = _token_mean(ratio.detach(), mask, global_valid_tokens)
+        metrics[LOSS] = loss.detach()
+        metrics[PROBS_RATIO] = _token_mean(ratio.detach(), mask, global_valid_tokens)
         return loss, metrics
 
 

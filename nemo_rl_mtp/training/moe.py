@@ -37,6 +37,7 @@ import torch
 from megatron.core import parallel_state
 
 from nemo_rl_mtp.training.aux_losses import backward_seed_over, sum_over_data_parallel
+from nemo_rl_mtp.metrics import MOE, all_in_scope
 
 logger = logging.getLogger(__name__)
 
@@ -239,4 +240,4 @@ def get_moe_metrics(config, num_microbatches: int, global_statistics: bool) -> d
         moe_layer_freq=config.moe_layer_freq,  # a hybrid model's E layers (hybrid.transformer_config_kwargs)
         mtp_num_layers=config.mtp_num_layers,
     )
-    return {f"moe/{name}": float(value) for name, value in losses.items()}
+    return all_in_scope(MOE, {name: float(value) for name, value in losses.items()})

@@ -77,6 +77,16 @@ from nemo_rl_mtp.training.batches import (
 from nemo_rl_mtp.training.module_modes import eval_mode
 from nemo_rl_mtp.training.model import MegatronPolicyModel, mtp_enabled
 from nemo_rl_mtp.training.vocabulary import mask_ids_past_vocabulary
+from nemo_rl_mtp.metrics import (
+    ENTROPY,
+    GLOBAL_VALID_TOKENS,
+    GRAD_NORM,
+    MTP,
+    MTP_GLOBAL_VALID_TOKENS,
+    MTP_GRAD_NORM,
+    UPDATE_SUCCESSFUL,
+    all_in_scope,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -176,10 +186,10 @@ def _forward_backward(
         )
     metrics = with_expected_acceptance(sum_over_global_batch(microbatch_metrics, device))
     metrics.update(moe.get_moe_metrics(config, len(microbatches), moe.uses_global_load_statistics(policy_cfg.megatron_cfg)))
-    metrics["global_valid_tokens"] = float(global_tokens)
+    metrics[GLOBAL_VALID_TOKENS] = float(global_tokens)
     if mtp_enabled(config):
-        metrics["mtp/grad_norm"] = mtp_gradient_norm(model)
-        metrics["mtp/global_valid_tokens"] = float(mtp_tokens)
+        metrics[MTP_GRAD_NORM] = mtp_gradient_norm(model)
+        metrics[MTP_GLOBAL_VALID_TOKENS] = float(mtp_tokens)
     return metrics, len(microbatches)
 
 
@@ -201,9 +211,9 @@ def mtp_step_metrics(policy: MegatronPolicyModel, num_microbatches: int, step_me
     tracked = get_mtp_metrics(num_microbatches) if parallel_state.is_pipeline_last_stage() else None
     tracked = broadcast_from_last_pipeline_stage(tracked)
     assert_mtp_trained(
-        policy.config, tracked, step_metrics["mtp/grad_norm"], step_metrics["mtp/global_valid_tokens"], frozen, policy.warned
+        policy.config, tracked, step_metrics[MTP_GRAD_NORM], step_metrics[MTP_GLOBAL_VALID_TOKENS], frozen, policy.warned
     )
-    return {f"mtp/{name}": value for name, value in tracked.items()}
+    return all_in_scope(MTP, tracked)
 
 
 @contextlib.contextmanager
@@ -248,7 +258,7 @@ def optimizer_step(policy: MegatronPolicyModel, frozen_mtp: bool = False) -> dic
     skipped = mtp_parameters(policy.model.module) if frozen_mtp else []
     with cpu_runtime.device_scope(), optimizer_skipping(policy.optimizer, skipped):
         update_successful, grad_norm, _ = policy.optimizer.step()
-    return {"grad_norm": float(grad_norm or 0.0), "update_successful": float(update_successful)}
+    return {GRAD_NORM: float(grad_norm or 0.0), UPDATE_SUCCESSFUL: float(update_successful)}
 
 
 def mtp_parameters(gpt_model) -> list[torch.nn.Parameter]:
@@ -497,7 +507,7 @@ def policy_loss(
     logprobs = token_logprobs(logits, microbatch.loss_inputs["target_ids"], temperature, vocab_size)
     loss, metrics = loss_fn(logprobs, microbatch.loss_inputs, global_valid_tokens)
     metrics.update(mtp_metrics)
-    metrics["entropy"] = entropy
+    metrics[ENTROPY] = entropy
     num_tokens = loss_mask.sum().to(torch.int)
     # Three values: under calculate_per_token_loss megatron leaves the (pre-normalised) loss as is.
     return loss, num_tokens, metrics

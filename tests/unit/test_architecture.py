@@ -23,7 +23,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rollout",),
     ("training", "tasks"),
     ("megatron_compat",),
-    ("config", "reporting", "metrics"),
+    ("config", "reporting"),
+    # Every metric key is built and parsed here, reporting's readers included.
+    ("metrics",),
 )
 
 
