@@ -146,7 +146,7 @@ def preflight_checks(cfg: MasterConfig) -> None:
             "(it needs CUDA); install it on the GPU nodes or use transformer_impl=auto"
         )
     # What the config asks of the installed megatron-core was checked with the config
-    # (config/load.py, _check_installed_release).
+    # (grpo/checked_config.py: megatron_compat.capabilities.check_installed_release).
 
 
 def _check_local_cpus(cluster) -> None:
