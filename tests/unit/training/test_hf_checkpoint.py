@@ -22,7 +22,7 @@ from tests.helpers import eval_forward_logits, task_demonstrations
 from tests.hf_reference import hf_greedy, hf_logits, load_hf_model
 from tests.release_gates import requires_megatron_bridge
 
-REPO_ROOT = Path(__file__).resolve().parents[4]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from tiny_mimo_checkpoint import write_tiny_mimo_checkpoint  # noqa: E402
 
