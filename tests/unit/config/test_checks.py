@@ -91,3 +91,18 @@ def test_the_hybrid_split_is_megatrons(pattern):
     assert split.decoder_layers == parsed.main_pattern.replace(allocation.Symbols.PIPE, "")
     assert len(split.mtp_depths) == parsed.mtp_num_depths
     assert (split.mtp_depths[0] if split.mtp_depths else None) == parsed.mtp_pattern
+
+
+def test_every_constrained_key_is_a_key_of_the_schema():
+    """A typo in CHOICES, RANGES or ARCHITECTURE_KEYS would select nothing, and a range on nothing
+    checks nothing; control: a made-up key is found missing."""
+    from nemo_rl_mtp.config.load import load_exemplar
+    from nemo_rl_mtp.config.schema import ARCHITECTURE_KEYS, CHOICES, RANGES
+
+    exemplar = load_exemplar()
+
+    def missing(keys):
+        return [key for key in keys if OmegaConf.select(exemplar, key, default="<absent>") == "<absent>"]
+
+    assert missing([*CHOICES, *RANGES, *ARCHITECTURE_KEYS]) == []
+    assert missing(["policy.megatron_cfg.mtp_layerz"]) == ["policy.megatron_cfg.mtp_layerz"]
