@@ -31,16 +31,27 @@ class ConfigError(ValueError):
 
 def check_config(cfg: DictConfig) -> None:
     """Allowed values, ranges and the rules across keys that hold for every task and every
-    megatron-core release; run by every load (``load.load_config``)."""
+    megatron-core release; run by every load (``load.load_config``). Allowed values first: the
+    rules after them divide by some of those keys."""
+    _check_allowed_values(cfg)
+    _check_model(cfg)
+    _check_grpo(cfg)
+
+
+def _check_allowed_values(cfg: DictConfig) -> None:
+    """Each key of ``schema.CHOICES`` among its choices, each of ``schema.RANGES`` in its range."""
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             shown = sorted(str(choice) for choice in allowed)
             raise ConfigError(f"{key}={value!r} is not one of {shown}")
-
     for key, bounds in RANGES.items():
         _require_in_range(key, OmegaConf.select(cfg, key), *bounds)
 
+
+def _check_model(cfg: DictConfig) -> None:
+    """The model's keys against each other: architecture, parallelism, recompute, MoE, hybrid
+    layers, MTP loss and frozen heads."""
     policy = cfg.policy
     megatron = policy.megatron_cfg
     if policy.model_name is None:
@@ -88,7 +99,7 @@ def check_config(cfg: DictConfig) -> None:
         megatron.sequence_parallel,
         "needs tensor_model_parallel_size > 1",
     )
-    _validate_hybrid_layer_pattern(cfg)
+    _check_hybrid_layer_pattern(cfg)
     require(
         megatron.mtp_loss_type == "cross_entropy" or megatron.context_parallel_size == 1,
         "policy.megatron_cfg.mtp_loss_type",
@@ -108,10 +119,11 @@ def check_config(cfg: DictConfig) -> None:
             megatron.context_parallel_size,
             "context parallelism needs transformer_impl=transformer_engine and sequence_packing.enabled=true",
         )
-    _validate_grpo(cfg)
 
 
-def _validate_grpo(cfg: DictConfig) -> None:
+def _check_grpo(cfg: DictConfig) -> None:
+    """The step against the cluster (data-parallel splits), warmup distractors, sampling and
+    speculation."""
     grpo, policy, cluster = cfg.grpo, cfg.policy, cfg.cluster
     megatron = policy.megatron_cfg
     world_size = cluster.num_nodes * cluster.workers_per_node
@@ -196,7 +208,7 @@ def split_hybrid_pattern(pattern: str) -> HybridPattern:
     return HybridPattern(tuple(decoder.split(HYBRID_PIPELINE_STAGE)), tuple(mtp_depths))
 
 
-def _validate_hybrid_layer_pattern(cfg: DictConfig) -> None:
+def _check_hybrid_layer_pattern(cfg: DictConfig) -> None:
     """model_class and hybrid_layer_pattern: the pattern's symbols, its MTP depths against
     mtp_num_layers, its layers against num_layers, num_moe_experts and the pipeline stages, and
     layers that need CUDA kernels on CPU workers."""
