@@ -99,9 +99,9 @@ def run_variant(name: str, tokens: int, vocab: int, hidden: int, dtype: torch.dt
 
 def _child(args) -> None:
     from nemo_rl_mtp.training.model import initialize_model_parallel
-    from nemo_rl_mtp.config.load import load_config
+    from nemo_rl_mtp.grpo.checked_config import load_checked_config
 
-    initialize_model_parallel(load_config().policy.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{args.port}")
+    initialize_model_parallel(load_checked_config().policy.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{args.port}")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(json.dumps(run_variant(args.variant, args.tokens, args.vocab, args.hidden, dtype, args.repeats)))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 from nemo_rl_mtp.training.losses import ClippedPGLossFn  # noqa: E402
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
 from nemo_rl_mtp.training.step import train_global_batch  # noqa: E402
-from nemo_rl_mtp.config.load import load_config  # noqa: E402
+from nemo_rl_mtp.grpo.checked_config import load_checked_config  # noqa: E402
 from tests.support.synthetic import synthetic_rl_batch  # noqa: E402
 
 VOCAB_SIZE = 32
@@ -37,7 +36,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
-    base = load_config(overrides=args.overrides)
+    base = load_checked_config(overrides=args.overrides)
     initialize_model_parallel(base.policy.megatron_cfg, 0, 1, "tcp://127.0.0.1:29571")
     generator = torch.Generator().manual_seed(0)
     seq_length, prompt_length = base.policy.max_total_sequence_length, 8
@@ -52,7 +51,7 @@ def main() -> None:
     variant_overrides["mtp_on (frozen)"] = [*on, "policy.mtp_frozen_during_rl=true"]
     variants = {}
     for name, overrides in variant_overrides.items():
-        cfg = load_config(overrides=[*args.overrides, *overrides])
+        cfg = load_checked_config(overrides=[*args.overrides, *overrides])
         variants[name] = (setup_megatron_policy(cfg.policy, VOCAB_SIZE), cfg.policy)
 
     def step(name: str) -> float:

@@ -28,7 +28,6 @@ import argparse
 import collections
 import contextlib
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from nemo_rl_mtp.rollout.engine import RolloutEngine, kv_memory  # noqa: E402
 from nemo_rl_mtp.rollout.speculation import speculation_metrics  # noqa: E402
 from nemo_rl_mtp.megatron_compat.cpu import paged_attention  # noqa: E402
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
-from nemo_rl_mtp.config.load import load_config  # noqa: E402
+from nemo_rl_mtp.grpo.checked_config import load_checked_config  # noqa: E402
 from tests.support.helpers import free_port  # noqa: E402
 
 TOKENIZER = DigitTokenizer()
@@ -81,7 +80,7 @@ def config(args, k, new_tokens: int, batch: int):
     """The policy config of one cell: room in the engine for the whole batch at full length."""
     bytes_per_token = 2 * (2 + args.mtp_layers) * 64 * 4  # K and V of the decoder and MTP layers (tiny model)
     buffer_gb = 1.5 * batch * (new_tokens + PROMPT_TOKENS + 4) * bytes_per_token / 1024**3
-    return load_config(
+    return load_checked_config(
         overrides=[
             f"policy.megatron_cfg.mtp_num_layers={args.mtp_layers}",
             f"policy.generation.num_speculative_tokens={k}",

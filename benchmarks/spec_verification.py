@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from nemo_rl_mtp.rollout.engine import RolloutEngine  # noqa: E402
 from nemo_rl_mtp.rollout.speculation import speculation_metrics  # noqa: E402
 from nemo_rl_mtp.training.checkpoint import load_policy  # noqa: E402
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
-from nemo_rl_mtp.config.load import load_config  # noqa: E402
+from nemo_rl_mtp.grpo.checked_config import load_checked_config  # noqa: E402
 from tests.support.helpers import free_port  # noqa: E402
 
 TOKENIZER = DigitTokenizer()
@@ -45,7 +44,7 @@ def trained_run(steps: int, log_dir: str, warm_start: bool):
     from scratch (a policy early in RL, far from greedy), or with the default recipe's warm start
     (a policy that has learned the task, with heads that learned it too)."""
     from_scratch = ["grpo.warmup_imitation_steps=0", "policy.megatron_cfg.optimizer.lr=1e-3"]
-    cfg = load_config(
+    cfg = load_checked_config(
         REPO_ROOT / "examples" / "configs" / "grpo_mtp_tiny_cpu.yaml",
         [
             f"grpo.max_num_steps={steps}",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -46,11 +45,11 @@ COLUMNS = [
 
 def run_variant(config: str, overrides: list[str], variant: str, seed: int, log_dir: str) -> list[dict[str, float]]:
     from nemo_rl_mtp.grpo.loop import grpo_train
-    from nemo_rl_mtp.config.load import load_config
+    from nemo_rl_mtp.grpo.checked_config import load_checked_config
 
     quiet = ["logger.console=false", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false", "checkpointing.enabled=false"]
     name = f"{variant.replace(' ', '_')}_seed{seed}"
-    cfg = load_config(config, [*overrides, *VARIANTS[variant], f"grpo.seed={seed}", *quiet, f"logger.log_dir={log_dir}", f"logger.run_name={name}"])
+    cfg = load_checked_config(config, [*overrides, *VARIANTS[variant], f"grpo.seed={seed}", *quiet, f"logger.log_dir={log_dir}", f"logger.run_name={name}"])
     return grpo_train(cfg)
 
 

@@ -7,6 +7,10 @@ Without ``--config`` a run uses ``default_config``, which the caller names: ``ex
 passes the tiny CPU recipe next to it; ``python -m`` passes none, so an installed package (no
 checkout, no recipes) runs the packaged exemplar alone, itself a tiny model that trains on a CPU.
 The package never looks for a checkout: where the recipes are is the entry script's knowledge.
+
+Module level imports nothing heavy (no torch, megatron, ray or the GRPO loop): a config is checked
+purely first, so a bad one is refused (exit 2, one line) in about a second; then the installed
+release is asked what it can do; only then is the run's machinery imported.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_rl_mtp.config.load import ConfigError, load_config
+from nemo_rl_mtp.config.load import ConfigError
+from nemo_rl_mtp.grpo.checked_config import check_installed_release, load_pure_checked_config
 from nemo_rl_mtp.reporting.console import (
     EXIT_CONFIG_ERROR,
     EXIT_ERROR,
@@ -56,7 +61,9 @@ def main(argv: list[str] | None = None, default_config: str | Path | None = None
     ray_was_running = ray_is_running()
     cfg = None
     try:
-        cfg = load_config(args.config, args.overrides)  # before the heavy imports: bad input fails in a second
+        # The pure checks first, with nothing heavy imported: bad input fails in about a second.
+        cfg = load_pure_checked_config(args.config, args.overrides)
+        check_installed_release(cfg)  # imports megatron-core: what the installed release can do
         from nemo_rl_mtp.grpo.loop import grpo_train, with_run_name
 
         cfg = with_run_name(cfg)

@@ -40,14 +40,14 @@ def measure(reference_dir: Path, save_reference: bool, shims: bool) -> list[dict
     from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
     from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
     from nemo_rl_mtp.training.step import forward_backward_global_batch
-    from nemo_rl_mtp.config.load import load_config
+    from nemo_rl_mtp.grpo.checked_config import load_checked_config
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from nemo_rl_mtp.training.losses import ClippedPGLossFn
 
     from tests.support.synthetic import synthetic_rl_batch
 
-    base = load_config()
+    base = load_checked_config()
     initialize_model_parallel(base.policy.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{_free_port()}")
     loss_fn = ClippedPGLossFn(0.2, 0.2, 0.0)
     batch = synthetic_rl_batch(RESPONSE_LENGTHS, VOCAB_SIZE, sample_mask=SAMPLE_MASK)
@@ -66,7 +66,7 @@ def measure(reference_dir: Path, save_reference: bool, shims: bool) -> list[dict
                 "policy.megatron_cfg.recompute_method=uniform",
                 "policy.megatron_cfg.recompute_num_layers=1",
             ]
-        cfg = load_config(overrides=overrides)
+        cfg = load_checked_config(overrides=overrides)
         case = {"release": megatron_core_version(), "recompute": recompute, "packed": packed, "shims": shims}
         try:
             model_parallel_cuda_manual_seed(cfg.policy.megatron_cfg.seed)

@@ -15,7 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
-from nemo_rl_mtp.config.load import ConfigError, load_saved_config
+from nemo_rl_mtp.config.load import ConfigError
+from nemo_rl_mtp.grpo.checked_config import load_checked_saved_config
 from nemo_rl_mtp.reporting.console import EXIT_CONFIG_ERROR, EXIT_ERROR, one_line, quiet_third_party_output
 
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_third_party_output()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_saved_config(args.config)
+        cfg = load_checked_saved_config(args.config)
         from nemo_rl_mtp.training.hf_export import export_run_checkpoint
 
         out = export_run_checkpoint(cfg, Path(args.megatron_ckpt_path), Path(args.hf_ckpt_path))

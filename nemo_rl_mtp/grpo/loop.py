@@ -28,7 +28,9 @@ from nemo_rl_mtp.tasks.tokenizer import load_tokenizer
 from nemo_rl_mtp.tasks import setup_task
 from nemo_rl_mtp.tasks.environment_interface import EnvironmentInterface
 from nemo_rl_mtp.rollout.speculation import speculation_metrics
+from nemo_rl_mtp.grpo.checked_config import check_run_config
 from nemo_rl_mtp.grpo.run import PARTIAL_SUFFIX, CheckpointDirectory
+from nemo_rl_mtp.megatron_compat.capabilities import multi_latent_attention_refusal
 from nemo_rl_mtp.config.load import ConfigError, load_exemplar, resolve_checkpoint_keys
 from nemo_rl_mtp.config.schema import GRPOConfig, LoggerConfig, MasterConfig
 from nemo_rl_mtp.reporting.logger import Logger, read_metrics
@@ -119,10 +121,12 @@ def resolve_model(cfg: MasterConfig) -> MasterConfig:
         raise ConfigError(str(error)) from None
     if facts.multi_latent_attention and workers_transformer_impl(cfg) == "local":
         raise ConfigError(
-            f"policy.model_name={cfg.policy.model_name}: {facts.architecture} uses multi-latent attention, which "
-            "megatron-core builds only with transformer_engine (a GPU)"
+            multi_latent_attention_refusal(
+                "policy.model_name", cfg.policy.model_name, f"this {facts.architecture} run's workers (no GPU, or transformer_impl=local)"
+            )
         )
     resolved = resolve_checkpoint_keys(cfg, facts)
+    check_run_config(resolved)  # the task's and the release's checks, now with the checkpoint's keys
     logger.info(
         "model: %s (%s) through megatron-bridge, %d MTP layer(s)%s", cfg.policy.model_name, facts.architecture,
         resolved.policy.megatron_cfg.mtp_num_layers, " with weights" if facts.mtp_num_layers else " (new)",
@@ -169,7 +173,7 @@ def preflight_checks(cfg: MasterConfig) -> None:
             "(it needs CUDA); install it on the GPU nodes or use transformer_impl=auto"
         )
     # What the config asks of the installed megatron-core was checked with the config
-    # (config/load.py, _check_installed_release).
+    # (grpo/checked_config.py: megatron_compat.capabilities.check_installed_release).
 
 
 def _check_local_cpus(cluster) -> None:

@@ -82,41 +82,6 @@ def log_shim_coverage(model) -> None:
         logger.info("MTP compat shims %s cover the %d MTP layer module(s) of this model", active, num_layers)
 
 
-def unsupported_mtp_features(megatron_cfg) -> list[str]:
-    """Requested MTP features the installed megatron-core's TransformerConfig lacks (no shim
-    provides them). Turned-off features are fine: a release without the field behaves as off."""
-    if not megatron_cfg.mtp_num_layers:
-        return []
-    requested = [key for key in ("mtp_use_repeated_layer", "mtp_detach_heads") if megatron_cfg[key]]
-    if not requested:
-        return []
-    import dataclasses
-
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    fields = {field.name for field in dataclasses.fields(TransformerConfig)}
-    return [key for key in requested if key not in fields]
-
-
-def check_mtp_features_supported(megatron_cfg) -> None:
-    """Raise before any worker starts if the config asks for an MTP feature this release lacks."""
-    if megatron_cfg.mtp_num_layers and megatron_cfg.mtp_loss_type != "cross_entropy":
-        reason = mtp_loss_callable.unsupported_reason()
-        if reason is not None:
-            raise ValueError(
-                f"policy.megatron_cfg.mtp_loss_type={megatron_cfg.mtp_loss_type} is not supported by the installed "
-                f"megatron-core {megatron_core_version()}: {reason}; use mtp_loss_type=cross_entropy"
-            )
-    missing = unsupported_mtp_features(megatron_cfg)
-    if missing:
-        raise ValueError(
-            f"policy.megatron_cfg: {', '.join(f'{key}=true' for key in missing)} is not supported by the "
-            f"installed megatron-core {megatron_core_version()} (its TransformerConfig has no such field); "
-            "set it to false or install a megatron-core release that has it "
-            "(mtp_use_repeated_layer: >= 0.17, mtp_detach_heads: >= 0.19)"
-        )
-
-
 def assert_mtp_trained(
     config,
     mtp_metrics: dict,

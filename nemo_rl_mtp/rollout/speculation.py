@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from nemo_rl_mtp.config.checks import check_speculation_depth, speculative_tokens_limit
 from nemo_rl_mtp.megatron_compat import engine_release
 from nemo_rl_mtp.metrics import (
     ACCEPTED_DRAFTS_PER_DECODE_STEP,
@@ -46,42 +47,28 @@ from nemo_rl_mtp.metrics import (
     TOKENS_PER_DECODE_STEP,
     in_scope,
 )
+from nemo_rl_mtp.megatron_compat.capabilities import check_speculation_release
 
 
 def max_speculative_tokens(megatron_cfg) -> int | None:
-    """The most drafts per step the installed engine accepts for this model: ``mtp_num_layers``,
-    unlimited (None) for a repeated MTP layer where the controller drafts a depth per token, 0
-    where the engine has no speculative decoding (:mod:`engine_release`)."""
+    """The most drafts per step the installed engine accepts for this model: what the model's
+    heads allow (``config.checks.speculative_tokens_limit``: ``mtp_num_layers``, unlimited (None)
+    for a repeated MTP layer), capped where the engine has no speculative decoding (0) or drafts at
+    most ``mtp_num_layers`` with a repeated layer (:mod:`engine_release`)."""
     if engine_release.speculation_missing() is not None:
         return 0
-    if megatron_cfg.mtp_num_layers and megatron_cfg.mtp_use_repeated_layer and engine_release.repeated_layer_depths_missing() is None:
-        return None
-    return megatron_cfg.mtp_num_layers
+    limit = speculative_tokens_limit(megatron_cfg)
+    if limit is None and engine_release.repeated_layer_depths_missing() is not None:
+        return megatron_cfg.mtp_num_layers
+    return limit
 
 
 def check_speculation_supported(generation_cfg, megatron_cfg) -> None:
-    """Raise ValueError, one line naming the key, when the installed engine cannot speculate as
-    configured: a release without speculative decoding (or without what the configuration asks
-    of it), or more drafts than the model's heads can propose (``auto`` chooses within what the
-    model allows)."""
-    unsupported = engine_release.unsupported_generation(generation_cfg, megatron_cfg)
-    if unsupported is not None:
-        raise ValueError(unsupported)
-    k = generation_cfg.num_speculative_tokens
-    if k == "auto" or k <= 0:
-        return
-    if not megatron_cfg.mtp_num_layers:
-        raise ValueError(
-            f"policy.generation.num_speculative_tokens={k}: the model has no MTP heads to draft with; set "
-            "policy.megatron_cfg.mtp_num_layers > 0 or num_speculative_tokens=0"
-        )
-    limit = max_speculative_tokens(megatron_cfg)
-    if limit is not None and k > limit:
-        raise ValueError(
-            f"policy.generation.num_speculative_tokens={k}: this model's MTP heads can propose at most {limit} "
-            f"draft(s) per step (policy.megatron_cfg.mtp_num_layers={megatron_cfg.mtp_num_layers}, "
-            f"mtp_use_repeated_layer={megatron_cfg.mtp_use_repeated_layer}); lower it or add MTP layers"
-        )
+    """Raise ValueError (a ConfigError), one line naming the key, when the installed engine cannot
+    speculate as configured: the release's half (``capabilities.check_speculation_release``) and
+    the model's (``config.checks.check_speculation_depth``), each kept in its own room."""
+    check_speculation_release(generation_cfg, megatron_cfg)
+    check_speculation_depth(generation_cfg, megatron_cfg)
 
 
 def speculation_counts(engine) -> dict[str, torch.Tensor]:

@@ -14,49 +14,20 @@ GatedDeltaNet layers need CUDA kernels: the local spec has none.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from nemo_rl_mtp.config.load import HYBRID_GPU_ONLY_LAYERS
+from nemo_rl_mtp.config.checks import split_hybrid_pattern
+from nemo_rl_mtp.config.schema import HYBRID_GPU_ONLY_LAYERS
 
 logger = logging.getLogger(__name__)
 
 
-
-def check_hybrid_supported() -> None:
-    """Raise ValueError (one line, naming the key) where the installed megatron-core cannot train a
-    HybridModel's MTP layers in RL mode: no HybridModel taking MTP depths in its layer pattern
-    (before 0.18), or a ``process_mtp_loss`` that cannot derive the MTP labels from ``input_ids``
-    (0.18: HybridModel would skip its MTP loss with ``labels=None``; the ``rl_labels`` shim covers
-    GPTModel only). Probed by signature."""
-    from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
-
-    try:
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
-    except ImportError:
-        HybridModel = None
-    if HybridModel is None or "hybrid_layer_pattern" not in inspect.signature(HybridModel).parameters:
-        missing = "a HybridModel with MTP layers in its hybrid_layer_pattern (megatron.core.models.hybrid)"
-    else:
-        from megatron.core.transformer import multi_token_prediction
-
-        process_mtp_loss = getattr(multi_token_prediction, "process_mtp_loss", None)
-        if process_mtp_loss is not None and "input_ids" in inspect.signature(process_mtp_loss).parameters:
-            return
-        missing = "a process_mtp_loss that takes input_ids (HybridModel's MTP loss in RL mode, labels=None)"
-    raise ValueError(
-        f"policy.megatron_cfg.model_class=hybrid: the installed megatron-core {megatron_core_version()} lacks {missing}; "
-        "use model_class=gpt or megatron-core >= 0.19"
-    )
-
-
 def decoder_layer_types(pattern: str) -> list[str]:
-    """The decoder's layer symbols, pipeline stages joined (megatron's own parser)."""
-    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
-
-    return list(parse_hybrid_pattern(pattern).main_pattern.replace(Symbols.PIPE, ""))
+    """The decoder's layer symbols, pipeline stages joined (the config's split, which its checks
+    read too)."""
+    return list(split_hybrid_pattern(pattern).decoder_layers)
 
 
 def transformer_config_kwargs(megatron_cfg) -> dict:
@@ -125,7 +96,6 @@ def build_hybrid_model(config, stack_spec: ModuleSpec, pattern: str, **model_kwa
     embedding and output options), its final norm built as :mod:`compat.hybrid_final_norm` says,
     its MTP block given the padding mask as :mod:`compat.hybrid_mtp_padding` says, its MTP layers'
     MoE routers marked as :mod:`compat.hybrid_mtp_router` says."""
-    from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from nemo_rl_mtp.megatron_compat import hybrid_mtp_padding
@@ -134,7 +104,7 @@ def build_hybrid_model(config, stack_spec: ModuleSpec, pattern: str, **model_kwa
 
     with local_final_norm(config):
         model = HybridModel(config=config, hybrid_stack_spec=stack_spec, hybrid_layer_pattern=pattern, **model_kwargs)
-    if hybrid_mtp_padding.needed(model, parse_hybrid_pattern(pattern).mtp_pattern):
+    if hybrid_mtp_padding.needed(model, _mtp_layer_pattern(pattern)):
         hybrid_mtp_padding.pass_padding_mask_to_mtp(model)
     hybrid_mtp_router.mark_mtp_routers(model)
     return model
@@ -151,3 +121,10 @@ def mamba_inference_state(model) -> dict:
         return {}
     state = MambaInferenceStateConfig.from_model(model)
     return {} if state is None else {"mamba_inference_state_config": state}
+
+
+def _mtp_layer_pattern(pattern: str) -> str | None:
+    """The pattern every MTP depth repeats (config.checks requires one for all), None without MTP
+    layers: what megatron's ``parse_hybrid_pattern`` calls ``mtp_pattern``."""
+    depths = split_hybrid_pattern(pattern).mtp_depths
+    return depths[0] if depths else None

@@ -22,6 +22,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_rl_mtp.megatron_compat import shims
+from nemo_rl_mtp.megatron_compat.capabilities import multi_latent_attention_refusal
 from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
 from nemo_rl_mtp.training import hf_checkpoint
 from nemo_rl_mtp.training import hybrid
@@ -146,7 +147,7 @@ def _apply_mtp_config(config_kwargs: dict, megatron_cfg) -> None:
     With ``mtp_num_layers: 0`` (or absent) nothing is copied, so a non-MTP recipe builds exactly
     the model it would without MTP support. A key the installed release's TransformerConfig lacks
     is left out when it asks for nothing (false); asking for it is rejected earlier
-    with the config (``shims.check_mtp_features_supported``, from ``config/load.py``).
+    with the config (``capabilities.check_mtp_features_supported``, from ``grpo.checked_config``).
     """
     if "mtp_num_layers" not in megatron_cfg or not megatron_cfg["mtp_num_layers"]:
         if config_kwargs.get("mtp_num_layers"):  # an imported architecture with MTP layers, turned off
@@ -219,8 +220,9 @@ def build_model(
     transformer_impl = resolve_transformer_impl(megatron_cfg.transformer_impl)
     if config.multi_latent_attention and transformer_impl != "transformer_engine":
         raise ValueError(
-            f"policy.megatron_cfg.transformer_impl={megatron_cfg.transformer_impl}: this worker builds the {transformer_impl} "
-            "spec (no CUDA or no transformer_engine here), and megatron-core builds multi-latent attention only with transformer_engine"
+            multi_latent_attention_refusal(
+                "policy.megatron_cfg.transformer_impl", megatron_cfg.transformer_impl, "this worker (no CUDA or no transformer_engine here)"
+            )
         )
     layer_spec = build_layer_spec(transformer_impl, config)
     if architecture is not None:

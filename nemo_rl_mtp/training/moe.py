@@ -36,6 +36,8 @@ import logging
 import torch
 from megatron.core import parallel_state
 
+from nemo_rl_mtp.config.schema import GLOBAL_BATCH_AUX_LOSS
+from nemo_rl_mtp.megatron_compat.capabilities import MOE_METRICS_MODULE
 from nemo_rl_mtp.training.aux_losses import backward_seed_over, sum_over_data_parallel
 from nemo_rl_mtp.metrics import MOE, all_in_scope
 
@@ -48,7 +50,6 @@ def moe_enabled(config) -> bool:
     return bool(getattr(config, "num_moe_experts", None))
 
 
-GLOBAL_BATCH_AUX_LOSS = "global_batch_aux_loss"
 # megatron's name for load balancing at global-batch level: what the TransformerConfig says.
 MEGATRON_GLOBAL_AUX_LOSS = "global_aux_loss"
 
@@ -68,72 +69,6 @@ def moe_config_kwargs(megatron_cfg) -> dict:
     kwargs["moe_ffn_hidden_size"] = megatron_cfg.moe_ffn_hidden_size or megatron_cfg.ffn_hidden_size
     kwargs["moe_grouped_gemm"] = False
     return kwargs
-
-
-# megatron-core's MoE metrics tracker (0.18 on), from which a step reads the load-balancing loss.
-MOE_METRICS_MODULE = "megatron.core.transformer.moe.moe_logging"
-
-
-def check_moe_supported(megatron_cfg) -> None:
-    """Raise ValueError, one line naming the key and the release, where the installed megatron-core
-    cannot run the configured MoE trunk: before 0.18 it has no MoE metrics tracker; before 0.19
-    its schedule reads no ``moe_grad_scale_func``
-    (the load-balancing loss cannot be normalised), or the router's private names the global load
-    statistics reach are gone or changed (:func:`router_names_changed`)."""
-    from megatron.core.pipeline_parallel import schedules
-
-    from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
-
-    if not megatron_cfg.num_moe_experts:
-        return
-    try:
-        importlib.import_module(MOE_METRICS_MODULE)
-    except ModuleNotFoundError:
-        raise ValueError(
-            f"policy.megatron_cfg.num_moe_experts={megatron_cfg.num_moe_experts}: megatron-core {megatron_core_version()} "
-            f"has no MoE metrics tracker ({MOE_METRICS_MODULE}), from which a training step reads "
-            "the routers' load-balancing loss; set it to 0 or use megatron-core >= 0.18"
-        ) from None
-    if megatron_cfg.moe_aux_loss_coeff > 0 and not hasattr(schedules, "_get_moe_loss_scale"):
-        raise ValueError(
-            f"policy.megatron_cfg.moe_aux_loss_coeff={megatron_cfg.moe_aux_loss_coeff}: megatron-core "
-            f"{megatron_core_version()}'s schedule has no moe_grad_scale_func, so the load-balancing loss cannot be "
-            "normalised like the policy loss (megatron-core >= 0.19 can); set it to 0 or upgrade"
-        )
-    changed = router_names_changed() if uses_global_load_statistics(megatron_cfg) else []
-    if changed:
-        raise ValueError(
-            f"policy.megatron_cfg.moe_router_load_balancing_type={GLOBAL_BATCH_AUX_LOSS}: megatron-core "
-            f"{megatron_core_version()}'s router changed what the global load statistics reach ({'; '.join(changed)}); "
-            "use aux_loss or adapt nemo_rl_mtp/training/moe.py"
-        )
-
-
-# TopKRouter's private or positional names the global load statistics reach, with the parameters
-# they need (by name): the aux loss replaced per router, the padding mask the token counts read,
-# the loss attached with a valid-token count.
-ROUTER_METHODS = {
-    "_apply_global_aux_loss": ["probs", "scores_for_aux_loss", "routing_map"],
-    "forward": ["padding_mask"],
-    "attach_and_log_load_balancing_loss": ["activation", "aux_loss_coeff", "aux_loss", "aux_loss_name", "reduce_group", "valid_token_count"],
-    "get_aux_loss_coeff": ["aux_loss_type"],
-}
-
-
-def router_names_changed() -> list[str]:
-    """What of ``ROUTER_METHODS`` the installed ``TopKRouter`` lacks (gone, or a parameter gone)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    problems = []
-    for name, needed in ROUTER_METHODS.items():
-        method = getattr(TopKRouter, name, None)
-        if not callable(method):
-            problems.append(f"TopKRouter.{name} (gone)")
-            continue
-        parameters = inspect.signature(method).parameters
-        if not set(needed) <= set(parameters):
-            problems.append(f"TopKRouter.{name} (no parameter {sorted(set(needed) - set(parameters))[0]}; parameters now {list(parameters)})")
-    return problems
 
 
 def count_global_router_tokens(batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from nemo_rl_mtp.config.load import load_config
+from nemo_rl_mtp.grpo.checked_config import load_checked_config
 from nemo_rl_mtp.reporting.logger import read_metrics
 from tests.support.helpers import DEFAULT_RECIPE, run_grpo
 from tests.support.engine_cases import speculation_skip_reason
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_default_recipe_reaches_high_validation_accuracy_with_the_mtp_head_trained(tmp_path):
-    cfg = load_config(DEFAULT_RECIPE)
+    cfg = load_checked_config(DEFAULT_RECIPE)
     argv = [
         f"logger.log_dir={tmp_path}",
         "logger.run_name=learns",

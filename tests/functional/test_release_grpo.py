@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

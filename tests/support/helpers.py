@@ -9,7 +9,7 @@ import torch
 
 from nemo_rl_mtp.tasks.demonstrations import demonstration_batch
 from nemo_rl_mtp.tasks.digit_tasks import answer_ids, expected_answer, prompt_ids
-from nemo_rl_mtp.config.load import load_config
+from nemo_rl_mtp.grpo.checked_config import load_checked_config
 from tests.support.synthetic import synthetic_rl_batch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -44,9 +44,10 @@ def free_port() -> int:
 
 
 def tiny_config(**policy_overrides):
-    """The exemplar config with ``policy.<key>=<value>`` overrides (dots in keys as ``__``)."""
+    """The exemplar config with ``policy.<key>=<value>`` overrides (dots in keys as ``__``), checked as
+    every entry point checks it (pure checks, then the installed release)."""
     overrides = [f"policy.{key.replace('__', '.')}={_yaml(value)}" for key, value in policy_overrides.items()]
-    return load_config(overrides=overrides)
+    return load_checked_config(overrides=overrides)
 
 
 def _yaml(value) -> str:

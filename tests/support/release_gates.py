@@ -5,8 +5,9 @@ project allows (``NEWEST_RELEASE``, pyproject's bound) nothing may be missing: a
 skip there fails the collection instead, so the main suite never skips a test silently.
 
 Two kinds of gate:
-- :func:`requires_config`: the product's own one-line refusal of a configuration (checked at
-  config load, before any model is built) is the reason: MoE load balancing, HybridModel,
+- :func:`requires_config`: the product's own one-line refusal of a configuration (the pure checks,
+  then ``megatron_compat.capabilities``, as every entry point loads a config through
+  ``grpo.checked_config``, before any model is built) is the reason: MoE load balancing, HybridModel,
   detached heads, a repeated layer, speculation where the release's engine lacks them;
 - :func:`import_or_skip`: a megatron-core module a test compares against (a kernel's PyTorch
   version, the hybrid stack), absent from the release.
@@ -19,7 +20,8 @@ import importlib
 import pytest
 
 from nemo_rl_mtp.megatron_compat.engine_release import megatron_release
-from nemo_rl_mtp.config.load import ConfigError, load_config
+from nemo_rl_mtp.config.load import ConfigError
+from nemo_rl_mtp.grpo.checked_config import load_checked_config
 from tests.support.helpers import DEFAULT_RECIPE, tiny_config
 
 # pyproject allows megatron-core < 0.20: every gate is open on 0.19.
@@ -49,7 +51,7 @@ def command_refusal(argv: list[str]) -> str | None:
         at = overrides.index("--config")
         recipe = overrides[at + 1]
         del overrides[at : at + 2]
-    reason = _refusal(lambda: load_config(recipe, overrides))
+    reason = _refusal(lambda: load_checked_config(recipe, overrides))
     _skip_marker(reason)
     return reason
 

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 import nemo_rl_mtp
 
 from nemo_rl_mtp.config.load import ConfigError, load_config
+from nemo_rl_mtp.grpo.checked_config import load_pure_checked_config
 from tests.support.release_gates import requires_megatron_bridge
 
 
@@ -125,8 +126,9 @@ def test_recipe_outside_the_checkout_inherits_the_packaged_exemplar(tmp_path):
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(override, named):
+    """By the pure checks (generic and the task's): no release is asked."""
     with pytest.raises(ConfigError, match=re.escape(named)):
-        load_config(overrides=override.split())
+        load_pure_checked_config(overrides=override.split())
 
 
 def test_the_deepest_mtp_layer_that_can_get_a_target_is_accepted():

@@ -16,7 +16,7 @@ hybrid_block = import_or_skip("megatron.core.models.hybrid.hybrid_block", "Hybri
 from megatron.core.transformer import transformer_block  # noqa: E402
 from megatron.core.transformer.moe.router import Router, TopKRouter  # noqa: E402
 
-from nemo_rl_mtp.training import hybrid  # noqa: E402
+from nemo_rl_mtp.megatron_compat import capabilities  # noqa: E402
 from nemo_rl_mtp.training import model as setup  # noqa: E402
 from nemo_rl_mtp.megatron_compat import hybrid_final_norm  # noqa: E402
 from nemo_rl_mtp.megatron_compat import hybrid_mtp_padding  # noqa: E402
@@ -135,10 +135,10 @@ def test_mtp_routers_are_marked_as_gpts_are_once_and_loud_without_their_attribut
 
 @hybrid_model
 def test_a_release_without_hybrid_model_is_refused_in_one_line(monkeypatch):
-    hybrid.check_hybrid_supported()  # the installed release has it
+    capabilities.check_hybrid_supported()  # the installed release has it
     monkeypatch.setitem(sys.modules, "megatron.core.models.hybrid.hybrid_model", None)
     with pytest.raises(ValueError, match=r"^policy.megatron_cfg.model_class=hybrid: the installed megatron-core .* lacks a HybridModel") as error:
-        hybrid.check_hybrid_supported()
+        capabilities.check_hybrid_supported()
     assert "\n" not in str(error.value)
 
 
@@ -152,4 +152,4 @@ def test_a_release_whose_mtp_loss_cannot_take_input_ids_is_refused_in_one_line(m
 
     monkeypatch.setattr(multi_token_prediction, "process_mtp_loss", process_mtp_loss)
     with pytest.raises(ValueError, match=r"^policy.megatron_cfg.model_class=hybrid: .* lacks a process_mtp_loss that takes input_ids .*>= 0.19$"):
-        hybrid.check_hybrid_supported()
+        capabilities.check_hybrid_supported()

@@ -77,9 +77,10 @@ def test_importing_the_bridge_leaves_the_root_logger_as_it_was():
 def test_a_release_the_bridge_does_not_import_on_is_refused_at_config_load_in_one_line(monkeypatch):
     """megatron-core 0.16 and 0.17 (megatron-bridge 0.6.2 imports names they lack), simulated by
     an import that fails on the installed release."""
-    from nemo_rl_mtp.config.load import ConfigError, load_config
+    from nemo_rl_mtp.config.load import ConfigError
+    from nemo_rl_mtp.grpo.checked_config import load_checked_config
 
     monkeypatch.setitem(sys.modules, "megatron.bridge", None)
     with pytest.raises(ConfigError, match=r"^policy.model_name=x: megatron-bridge \S+ does not import on megatron-core \S+ \(.*\); build the model from scratch") as error:
-        load_config(overrides=["policy.model_name=x"])
+        load_checked_config(overrides=["policy.model_name=x"])
     assert "\n" not in str(error.value)

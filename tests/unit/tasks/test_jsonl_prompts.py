@@ -4,7 +4,6 @@ template, overlong prompts skipped or truncated and counted, and one-line errors
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,8 @@ from safetensors.torch import load_file
 from nemo_rl_mtp.training.imitation import imitation_step
 from nemo_rl_mtp.tasks.tokenizer import load_tokenizer
 from nemo_rl_mtp.training import hf_checkpoint
-from nemo_rl_mtp.config.load import ConfigError, load_config, resolve_checkpoint_keys
+from nemo_rl_mtp.config.load import ConfigError, resolve_checkpoint_keys
+from nemo_rl_mtp.grpo.checked_config import check_run_config, load_checked_config
 from tests.support.helpers import eval_forward_logits, task_demonstrations
 from tests.support.hf_reference import hf_greedy, hf_logits, load_hf_model
 from tests.support.release_gates import requires_megatron_bridge
@@ -42,9 +42,10 @@ def imported(checkpoint: Path, *overrides: str):
 
     from nemo_rl_mtp.training.model import setup_megatron_policy
 
-    cfg = load_config(overrides=[f"policy.model_name={checkpoint}", "policy.trust_remote_code=true", "policy.max_total_sequence_length=32", *overrides])
+    cfg = load_checked_config(overrides=[f"policy.model_name={checkpoint}", "policy.trust_remote_code=true", "policy.max_total_sequence_length=32", *overrides])
     bridge = hf_checkpoint.open_checkpoint(str(checkpoint), True)
     cfg = resolve_checkpoint_keys(cfg, hf_checkpoint.checkpoint_facts(bridge, str(checkpoint)))
+    check_run_config(cfg)
     model_parallel_cuda_manual_seed(cfg.policy.megatron_cfg.seed)
     tokenizer = load_tokenizer(str(checkpoint), True, cfg.data.apply_chat_template)
     return setup_megatron_policy(cfg.policy, tokenizer.vocab_size), cfg, bridge
@@ -151,7 +152,7 @@ def resolved(checkpoint: Path, *overrides: str):
     """The driver's resolution of a config against a checkpoint (before any worker)."""
     from nemo_rl_mtp.grpo.loop import resolve_model
 
-    return resolve_model(load_config(overrides=[f"policy.model_name={checkpoint}", "policy.max_total_sequence_length=32", *overrides]))
+    return resolve_model(load_checked_config(overrides=[f"policy.model_name={checkpoint}", "policy.max_total_sequence_length=32", *overrides]))
 
 
 def test_conflicts_between_config_and_checkpoint_are_one_line_before_any_worker(checkpoints, tmp_path):
@@ -218,9 +219,10 @@ def test_a_qwen3_checkpoint_gets_new_heads_in_megatron_bridges_qwen3_mtp_layout(
     reference = Qwen3ForCausalLM(config).eval()
     reference.save_pretrained(tmp_path)
     build_tokenizer().save_pretrained(tmp_path)
-    cfg = load_config(overrides=[f"policy.model_name={tmp_path}", "policy.max_total_sequence_length=32"])
+    cfg = load_checked_config(overrides=[f"policy.model_name={tmp_path}", "policy.max_total_sequence_length=32"])
     bridge = hf_checkpoint.open_checkpoint(str(tmp_path), False)
     cfg = resolve_checkpoint_keys(cfg, hf_checkpoint.checkpoint_facts(bridge, str(tmp_path)))
+    check_run_config(cfg)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from nemo_rl_mtp.training.model import setup_megatron_policy

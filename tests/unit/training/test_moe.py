@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from nemo_rl_mtp.megatron_compat import capabilities
 from nemo_rl_mtp.training import moe
 from nemo_rl_mtp.training.batches import Microbatch
 from tests.support.helpers import make_batch, make_policy
@@ -178,16 +179,16 @@ def _global_statistics_cfg():
 
 
 def test_the_router_names_the_global_load_statistics_reach_are_in_the_installed_release():
-    assert moe.router_names_changed() == []
-    moe.check_moe_supported(_global_statistics_cfg())
+    assert capabilities.router_names_changed() == []
+    capabilities.check_moe_supported(_global_statistics_cfg())
 
 
 def test_a_release_without_the_moe_metrics_tracker_is_refused_in_one_line(monkeypatch):
     """megatron-core 0.16 and 0.17 (no ``moe_logging``), simulated on the installed release."""
     megatron_cfg = _global_statistics_cfg()
-    monkeypatch.setitem(sys.modules, moe.MOE_METRICS_MODULE, None)
+    monkeypatch.setitem(sys.modules, capabilities.MOE_METRICS_MODULE, None)
     with pytest.raises(ValueError, match=r"^policy.megatron_cfg.num_moe_experts=4: megatron-core \S+ has no MoE metrics tracker .*>= 0.18$") as error:
-        moe.check_moe_supported(megatron_cfg)
+        capabilities.check_moe_supported(megatron_cfg)
     assert "\n" not in str(error.value)
 
 
@@ -206,7 +207,7 @@ def test_a_renamed_router_name_is_refused_naming_it(monkeypatch, renamed):
     else:
         monkeypatch.delattr(TopKRouter, renamed)
     with pytest.raises(ValueError, match=rf"global_batch_aux_loss: megatron-core .*TopKRouter\.(forward \(no parameter {renamed}|{renamed} \(gone)"):
-        moe.check_moe_supported(_global_statistics_cfg())
+        capabilities.check_moe_supported(_global_statistics_cfg())
 
 
 def test_the_routed_token_counts_find_the_padding_mask_by_name():

@@ -122,5 +122,5 @@ def test_a_worker_that_would_build_multi_latent_attention_with_the_local_spec_re
         v_head_dim=8, multi_latent_attention=True,
     )  # fmt: skip
     megatron_cfg = tiny_config().policy.megatron_cfg
-    with pytest.raises(ValueError, match=r"^policy.megatron_cfg.transformer_impl=auto: this worker builds the local spec .* only with transformer_engine$"):
+    with pytest.raises(ValueError, match=r"^policy.megatron_cfg.transformer_impl=auto: .*multi-latent attention, which megatron-core builds only with transformer_engine, and this worker .* builds the local spec$"):
         build_model(megatron_cfg, config, 64, 32)
