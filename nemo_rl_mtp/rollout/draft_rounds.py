@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from nemo_rl_mtp.megatron_compat import engine_access
-from nemo_rl_mtp.megatron_compat.controller_hooks import pad_rows, serving_draft_steps
+from nemo_rl_mtp.megatron_compat.controller_hooks import serving_draft_steps
 
 
 class DraftRoundsController:
