@@ -14,7 +14,7 @@ Which shape is installed is probed (a module, a dataclass field, constructor par
 read off a version string. What a configuration asks of the engine and the installed release does
 not have is refused before any worker starts, in one line naming the release and what it lacks
 (:func:`unsupported_generation`); the private names the speculation path reaches are probed when
-an engine is built (:mod:`engine_compat`).
+an engine is built (:mod:`engine_probes`).
 """
 
 from __future__ import annotations

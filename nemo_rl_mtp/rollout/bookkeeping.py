@@ -14,28 +14,26 @@ verification together. Here:
   (accepted drafts, then the new token) and runs it as for a step without speculation, which
   appends them and counts nothing. Requests with stop words (whose trimming changes what counts)
   take megatron's own path;
-- :func:`install_vectorised_rewind` (a compat patch) replaces the controller's KV-cache rewind,
-  a Python loop over requests in ``mtp_utils_pytorch`` that megatron runs on the host on every
-  machine, with :func:`speculative_kernels.rewind_kv_cache`.
+- (``megatron_compat.kv_rewind``, a compat patch, replaces the controller's KV-cache rewind, a
+  Python loop over requests that megatron runs on the host on every machine.)
 
 All are tested against megatron's own bookkeeping: same rollouts, same counts.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
 from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 
-from nemo_rl_mtp.megatron_compat import speculative_kernels
+from nemo_rl_mtp.megatron_compat import engine_access
 
 logger = logging.getLogger(__name__)
 
 
 class AcceptanceCounts:
-    """Mixin for megatron's ``TextGenerationController``: drafts proposed and accepted per
+    """Mixin for megatron's controller under :class:`controller_hooks.SpeculativeControllerHooks`: drafts proposed and accepted per
     position ``[k]`` since :meth:`reset_acceptance_counts`, counted once per step on the device
     of the accepted drafts (read on the host only with :meth:`acceptance_counts`)."""
 
@@ -44,8 +42,8 @@ class AcceptanceCounts:
         self.reset_acceptance_counts()
 
     def reset_acceptance_counts(self) -> None:
-        # megatron's accepted drafts (checked after the build: engine_compat.check_engine_names)
-        accepted = getattr(self, "_accepted_tokens_per_request", None)
+        # megatron's accepted drafts (checked after the build: engine_probes.check_engine_names)
+        accepted = engine_access.accepted_tokens_per_request(self)
         device = accepted.device if accepted is not None else torch.device("cpu")
         self.drafts_proposed = torch.zeros(self.num_speculative_tokens, dtype=torch.int64, device=device)
         self.drafts_accepted = torch.zeros(self.num_speculative_tokens, dtype=torch.int64, device=device)
@@ -54,16 +52,16 @@ class AcceptanceCounts:
         """Host copies of (proposed, accepted) per draft position."""
         return self.drafts_proposed.cpu(), self.drafts_accepted.cpu()
 
-    def _dynamic_step_sample_logits_and_verify_tokens(self, *args, **kwargs) -> None:
+    def after_verification(self) -> None:
         """After megatron's verification: its accepted drafts ``[>= decode requests, k]`` are each
         decode request's accepted prefix, -1 after it, so draft i is accepted where column i is
         not -1."""
-        super()._dynamic_step_sample_logits_and_verify_tokens(*args, **kwargs)
+        super().after_verification()
         num_decode = self.inference_wrapped_model.inference_context.num_decode_requests
         if num_decode == 0:
             return
         self.drafts_proposed += num_decode
-        self.drafts_accepted += (self._accepted_tokens_per_request[:num_decode] != -1).sum(dim=0)
+        self.drafts_accepted += (engine_access.accepted_tokens_per_request(self)[:num_decode] != -1).sum(dim=0)
 
 
 class _TokenRows:
@@ -125,71 +123,9 @@ class SpeculativeBookkeepingEngine(RequestSamplingNotes):
         if accepted_tokens is None or self.num_speculative_tokens == 0 or self.requests_with_stop_words:
             return super().post_process_requests(request_ids, finished_request_ids, evict_request_ids, step_time, sample, accepted_tokens, *args, **kwargs)
         rows = _TokenRows(merged_tokens(accepted_tokens, sample))
-        self._spec_steps += 1
+        engine_access.count_speculative_step(self)
         num_speculative_tokens, self.num_speculative_tokens = self.num_speculative_tokens, 0
         try:
             return super().post_process_requests(request_ids, finished_request_ids, evict_request_ids, step_time, rows, None, *args, **kwargs)
         finally:
             self.num_speculative_tokens = num_speculative_tokens
-
-
-def vectorised_rewind_probe() -> tuple[bool, str]:
-    """Whether the controller still rewinds with megatron's per-request loop, which the vectorised
-    rewind reproduces (same parameters; same results on a random batch). Upstream changing the
-    function, its signature or its results switches the patch off."""
-    from megatron.core.inference.text_generation_controllers import text_generation_controller
-
-    current = getattr(text_generation_controller, "rewind_kv_cache", None)
-    if current is speculative_kernels.rewind_kv_cache:
-        return True, "installed earlier in this process"
-    if current is None:
-        return False, "megatron's controller calls no rewind_kv_cache (it rewinds in its own method): nothing to vectorise"
-    from megatron.core.inference.text_generation_controllers import mtp_utils_pytorch
-
-    if current is not getattr(mtp_utils_pytorch, "rewind_kv_cache", None):
-        return False, "the controller rewinds with something other than mtp_utils_pytorch's loop (upstream changed it)"
-    ours, theirs = inspect.signature(speculative_kernels.rewind_kv_cache), inspect.signature(current)
-    if list(ours.parameters) != list(theirs.parameters):
-        return False, f"rewind_kv_cache's parameters changed upstream: {list(theirs.parameters)}"
-    if not _same_rewind(current):
-        return False, "rewind_kv_cache's results changed upstream (a random batch disagrees with the vectorised one)"
-    return True, "the controller rewinds with mtp_utils_pytorch's per-request loop"
-
-
-def _same_rewind(reference) -> bool:
-    """Both rewinds on one random batch of 8 requests (k = 2, blocks of 4 tokens)."""
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 20, (8,), generator=generator)
-    counts = (lengths + 3) // 4
-    table = torch.full((8, 6), -1, dtype=torch.int32)
-    for row in range(8):
-        table[row, : counts[row]] = torch.arange(counts[row], dtype=torch.int32) + 6 * row
-    case = {
-        "accepted_counts": torch.randint(0, 3, (8,), generator=generator),
-        "prefill_status": torch.tensor([0, 0, 1, 0, 0, 0, 1, 0], dtype=torch.int32),
-        "last_kv_block_offset": ((lengths - 1) % 4).int(),
-        "kv_length_offsets": (lengths - 1).int(),
-        "kv_block_counts": counts.int(),
-        "last_kv_block_id": table[torch.arange(8), counts - 1].clone(),
-        "kv_block_ids": table,
-    }
-    copies = [{name: value.clone() for name, value in case.items()} for _ in range(2)]
-    expected = reference(**copies[0], num_speculative_tokens=2, block_size_tokens=4, num_active_requests=7)
-    got = speculative_kernels.rewind_kv_cache(**copies[1], num_speculative_tokens=2, block_size_tokens=4, num_active_requests=7)
-    same_buffers = all(torch.equal(copies[0][name], copies[1][name]) for name in case)
-    return same_buffers and all(torch.equal(a, b) for a, b in zip(expected, got))
-
-
-def install_vectorised_rewind() -> bool:
-    """Point megatron's controller at the vectorised rewind where the probe says it is the same
-    computation; idempotent, logged. Returns whether it is in place."""
-    from megatron.core.inference.text_generation_controllers import text_generation_controller
-
-    needed, reason = vectorised_rewind_probe()
-    if not needed:
-        logger.warning("vectorised KV-cache rewind: not installed: %s", reason)
-        return False
-    if text_generation_controller.rewind_kv_cache is not speculative_kernels.rewind_kv_cache:
-        text_generation_controller.rewind_kv_cache = speculative_kernels.rewind_kv_cache
-        logger.info("vectorised KV-cache rewind installed: %s", reason)
-    return True

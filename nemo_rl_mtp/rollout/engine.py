@@ -25,8 +25,8 @@ import logging
 
 import torch
 
-from nemo_rl_mtp.megatron_compat import engine_names, engine_release
-from nemo_rl_mtp.rollout import auto_k, bookkeeping, incremental_drafts, sequence_drafts
+from nemo_rl_mtp.megatron_compat import engine_access, engine_probes, engine_release, kv_rewind
+from nemo_rl_mtp.rollout import auto_k, bookkeeping, controllers, incremental_drafts
 from nemo_rl_mtp.rollout.speculation import speculation_counts
 from nemo_rl_mtp.megatron_compat.cpu import inference_runtime as cpu_inference_runtime
 from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
@@ -141,11 +141,11 @@ def build_engine(model, policy_cfg: PolicyConfig, num_speculative_tokens: int):
     unsupported = engine_release.unsupported_speculation(num_speculative_tokens, policy_cfg.megatron_cfg) if num_speculative_tokens else None
     if unsupported is not None:
         raise ValueError(unsupported)
-    engine_names.check_class_names(model, policy_cfg.generation, num_speculative_tokens)
+    engine_probes.check_class_names(model, policy_cfg.generation, num_speculative_tokens)
     with modes_restored(model):
         cpu_inference_runtime.install()
         if num_speculative_tokens:
-            bookkeeping.install_vectorised_rewind()
+            kv_rewind.install_vectorised_rewind()
         sizing = policy_cfg.generation.engine
         controller = controller_class(model, policy_cfg.generation, num_speculative_tokens)
         mtp_share = mtp_cache_share(model, controller, num_speculative_tokens)
@@ -155,7 +155,7 @@ def build_engine(model, policy_cfg: PolicyConfig, num_speculative_tokens: int):
                 model, controller, engine_class, sizing, policy_cfg.max_total_sequence_length, num_speculative_tokens,
                 sizing.buffer_size_gb * (1.0 - mtp_share), hybrid.mamba_inference_state(model),
             )
-    engine_names.check_engine_names(engine, policy_cfg.generation)
+    engine_probes.check_engine_names(engine, policy_cfg.generation)
     log_kv_memory(engine)
     return engine
 
@@ -172,7 +172,7 @@ def modes_restored(model):
     flag (where the release has one) and every submodule's train/eval mode are what they were
     before (``module_modes.eval_mode``), not what a rollout or an engine build left, nor a mode
     forced on the whole model."""
-    flag = engine_names.inference_mode_flag()
+    flag = engine_access.inference_mode_flag()
     was_active = flag.is_active() if flag is not None else None
     try:
         with eval_mode(model):
@@ -186,7 +186,7 @@ def mtp_cache_share(model, controller: type, num_speculative_tokens: int) -> flo
     """The share of the engine's memory budget that incremental drafts keep for the MTP caches."""
     if not issubclass(controller, incremental_drafts.IncrementalDraftsController):
         return 0.0
-    return incremental_drafts.mtp_cache_share(kv_cache_layers(model), engine_names.draft_depths(model, num_speculative_tokens))
+    return incremental_drafts.mtp_cache_share(kv_cache_layers(model), engine_access.draft_depths(model, num_speculative_tokens))
 
 
 def kv_cache_layers(model) -> int:
@@ -223,43 +223,51 @@ def log_kv_memory(engine) -> None:
 
 
 def controller_class(model, generation_cfg: GenerationConfig, num_speculative_tokens: int) -> type:
-    """megatron's TextGenerationController, verifying drafts as ``spec_verification`` says and
-    drafting as ``draft_context`` says where the installed engine's draft step cannot see a
-    request's earlier positions: from the MTP depths' KV caches (:mod:`incremental_drafts`) or
-    from each request's sequence (:mod:`sequence_drafts`)."""
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
-        TextGenerationController,
-    )
-
-    from nemo_rl_mtp.rollout.verification import RejectionSamplingController
-
-    verifying = {"exact_match": TextGenerationController, "rejection_sampling": RejectionSamplingController}
+    """megatron's TextGenerationController without speculation; with it, the controller of
+    :data:`controllers.CONTROLLERS` that verifies drafts as ``spec_verification`` says and drafts
+    as ``draft_context`` says where the installed engine's draft step cannot see a request's
+    earlier positions: from the MTP depths' KV caches (:mod:`incremental_drafts`) or from each
+    request's sequence (:mod:`sequence_drafts`)."""
     if num_speculative_tokens == 0:
+        from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+            TextGenerationController,
+        )
+
         return TextGenerationController
-    verifier = verifying[generation_cfg.spec_verification]
-    chosen = type(f"Counting{verifier.__name__}", (bookkeeping.AcceptanceCounts, verifier), {})
+    return controllers.CONTROLLERS[(draft_source(model, generation_cfg), generation_cfg.spec_verification)]
+
+
+def draft_source(model, generation_cfg: GenerationConfig) -> str:
+    """Which drafts serve the engine's draft rounds (a key of :data:`controllers.CONTROLLERS`)."""
     if generation_cfg.draft_context == "single_position":
-        return chosen
-    if sequence_drafts.upstream_drafts_have_context(model):
+        return controllers.MEGATRON_DRAFTS
+    if engine_probes.upstream_drafts_have_context(model):
         logger.info("MTP drafts: the installed engine's draft step reads a request's context; using it as is")
-        return chosen
-    drafting = sequence_drafts.with_sequence_drafts
+        return controllers.MEGATRON_DRAFTS
+    source = controllers.SEQUENCE_DRAFTS
     if generation_cfg.draft_context == "incremental":
         reason = incremental_drafts.unsupported_reason(model)
         if reason is None:
-            drafting = incremental_drafts.with_incremental_drafts
+            source = controllers.INCREMENTAL_DRAFTS
         else:
             logger.warning("MTP drafts: no incremental drafts for %s; drafting from each request's sequence", reason)
-    if getattr(model, "mtp", None) is None:  # a pipeline stage before the MTP layers: nothing to probe
-        return drafting(chosen)
+    if getattr(model, "mtp", None) is not None:  # a pipeline stage before the MTP layers: nothing to measure
+        log_serial_step_leak(model, generation_cfg.draft_context)
+    return source
+
+
+def log_serial_step_leak(model, draft_context: str) -> None:
+    """Why the drafts come from our drafters, with megatron's serial step's leak measured (once per
+    process: :func:`engine_probes.serial_step_leak`)."""
     with rollout_mode(model):
-        leak = sequence_drafts.serial_step_leak(model)
+        leak = engine_probes.serial_step_leak(model)
+    if leak is None:
+        return
     logger.info(
         "MTP drafts: megatron-core's serial draft step sees one position per request (a draft's logits moved by %.1e "
         "when another request's input changed); drafting with each request's context instead (%s)",
-        leak, generation_cfg.draft_context,
+        leak, draft_context,
     )
-    return drafting(chosen)
 
 
 @contextlib.contextmanager
@@ -272,7 +280,7 @@ def rollout_mode(model):
     No ``cpu_runtime.device_scope()``: once the engine is built, generation reaches no "cuda"
     literal (the local spec's default mask is built on the query's device), and the scope's torch
     function mode costs a Python call per torch op: it took half of a rollout's time on the CPU."""
-    flag = engine_names.inference_mode_flag()
+    flag = engine_access.inference_mode_flag()
     with modes_restored(model), torch.no_grad():
         if flag is not None:
             flag.set_active()

@@ -41,14 +41,8 @@ import logging
 
 import torch
 
-from nemo_rl_mtp.rollout.draft_rounds import (
-    DraftRoundsController,
-    mtp_layer,
-    output_logits,
-    pad_rows,
-    sequence_parallel_multiple,
-    with_drafter,
-)
+from nemo_rl_mtp.megatron_compat.controller_hooks import pad_rows
+from nemo_rl_mtp.rollout.draft_rounds import DraftRoundsController, mtp_layer, output_logits, sequence_parallel_multiple
 from nemo_rl_mtp.megatron_compat.cpu.paged_attention import paged_attention_over_pairs
 
 logger = logging.getLogger(__name__)
@@ -291,9 +285,6 @@ def _swapped_core_attention(attention, core):
 
 
 class IncrementalDraftsController(DraftRoundsController):
-    """Marks controllers whose draft rounds :class:`IncrementalDrafts` serves."""
+    """Draft rounds served by :class:`IncrementalDrafts` (a mixin: see :mod:`controllers`)."""
 
-
-def with_incremental_drafts(controller_class: type) -> type:
-    """``controller_class`` drafting from the MTP depths' KV caches."""
-    return with_drafter(controller_class, IncrementalDrafts, IncrementalDraftsController)
+    drafter_class = IncrementalDrafts

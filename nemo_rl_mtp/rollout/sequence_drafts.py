@@ -23,13 +23,12 @@ attention layer without rotary embedding only); ``single_position`` keeps megatr
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 
 import torch
 
-from nemo_rl_mtp.rollout.draft_rounds import mtp_layer, output_logits, sequence_parallel_multiple, with_drafter
+from nemo_rl_mtp.rollout.draft_rounds import DraftRoundsController, mtp_layer, output_logits, sequence_parallel_multiple
 from nemo_rl_mtp.training.batches import causal_attention_mask, round_up
 
 logger = logging.getLogger(__name__)
@@ -136,27 +135,7 @@ class SequenceDrafts:
         return gather_from_sequence_parallel_region(output) if sequence_parallel else output
 
 
-def upstream_drafts_have_context(model) -> bool:
-    """Whether the installed engine's draft step can see earlier positions of a request: it
-    would need an inference context or a KV cache to read them. 0.19.2's takes neither (its
-    ``cache_key`` names a CUDA graph)."""
-    parameters = inspect.signature(model.compute_mtp_single_step).parameters
-    return any("context" in name or "kv" in name for name in parameters)
+class SequenceDraftsController(DraftRoundsController):
+    """Draft rounds served by :class:`SequenceDrafts` (a mixin: see :mod:`controllers`)."""
 
-
-def serial_step_leak(model) -> float:
-    """Probe: how much megatron's serial draft step changes the second request's draft logits
-    when only the first request's input changes (0.0: requests are independent)."""
-    hidden = torch.randn(2, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    hidden = hidden.to(next(model.parameters()).device, model.config.params_dtype)
-    ids = torch.zeros(1, 2, dtype=torch.long, device=hidden.device)
-    with torch.no_grad():
-        _, first = model.compute_mtp_single_step(hidden, ids, ids, depth=0)
-        hidden[0] += 1.0
-        _, second = model.compute_mtp_single_step(hidden, ids, ids, depth=0)
-    return float((first[1] - second[1]).abs().max())
-
-
-def with_sequence_drafts(controller_class: type) -> type:
-    """``controller_class`` drafting from each request's sequence."""
-    return with_drafter(controller_class, SequenceDrafts)
+    drafter_class = SequenceDrafts

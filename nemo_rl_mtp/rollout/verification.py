@@ -23,13 +23,12 @@ against its sampler), so the two verifications differ only in the acceptance rul
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
-from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
-from nemo_rl_mtp.megatron_compat import engine_names
+from nemo_rl_mtp.megatron_compat import engine_access, engine_probes
+from nemo_rl_mtp.megatron_compat.controller_hooks import VerificationHooks
 
 logger = logging.getLogger(__name__)
 
@@ -57,19 +56,19 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gen
     return tokens
 
 
-class RejectionSamplingController(TextGenerationController):
+class RejectionSamplingController(VerificationHooks):
     """megatron's controller, recording the distribution each draft is sampled from and
     verifying drafts by rejection sampling. The release's hooks for the verification rows and
-    its sampling distribution are probed (:mod:`engine_compat`): the sampling backend's
-    ``sample_speculative`` or the controller's ``_sample_speculative_logits``; the backend's
-    ``log_probs_kernel`` or :func:`engine_names.sampling_log_probs` with the rollout's sampling
-    parameters, where a probe finds the release's sampler drawing exactly from it."""
+    its sampling distribution are probed (:mod:`engine_probes`) and reached through
+    :class:`controller_hooks.VerificationHooks`: the backend's ``log_probs_kernel`` or
+    :func:`engine_access.sampling_log_probs` with the rollout's sampling parameters, where a probe
+    finds the release's sampler drawing exactly from it (once per process)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._native_log_probs = engine_names.native_log_probs(self)
+        self._native_log_probs = engine_probes.native_log_probs(self)
         if self._native_log_probs is None:
-            agrees, reason = engine_names.release_sampler_agrees(self)
+            agrees, reason = engine_probes.release_sampler_agrees(self)
             if not agrees:
                 from nemo_rl_mtp.megatron_compat.engine_release import megatron_release
 
@@ -78,8 +77,6 @@ class RejectionSamplingController(TextGenerationController):
                     f"no log_probs_kernel and {reason}; set policy.generation.spec_verification=exact_match"
                 )
             logger.info("rejection sampling: the sampling distribution written out (no log_probs_kernel): %s", reason)
-        if engine_names.verification_rows_hook(self) == "sampling backend.sample_speculative":
-            self._sampling = _RejectionSampling(self._sampling, self)
         self.request_sampling = None
         self._draft_request_ids = None
         self._draft_tokens: list[torch.Tensor] = []
@@ -102,15 +99,15 @@ class RejectionSamplingController(TextGenerationController):
         if self._native_log_probs is not None:
             context = self.inference_wrapped_model.inference_context
             return self._native_log_probs(logits, context, token_to_request_index=token_to_request_index).exp()
-        return engine_names.sampling_log_probs(logits, *self.request_sampling).exp()
+        return engine_access.sampling_log_probs(logits, *self.request_sampling).exp()
 
-    def _compute_serial_mtp_and_sample(self, *args, **kwargs) -> None:
+    def draft_round(self, megatron_round) -> None:
         context = self.inference_wrapped_model.inference_context
         self._draft_request_ids = context.request_ids[context.paused_request_count : context.total_request_count].clone()
         self._draft_tokens, self._draft_probs = [], []
-        super()._compute_serial_mtp_and_sample(*args, **kwargs)
+        super().draft_round(megatron_round)
 
-    def _sample_from_logits_2d(self, logits_2d: torch.Tensor) -> torch.Tensor:
+    def sample_drafts(self, logits_2d: torch.Tensor) -> torch.Tensor:
         """One depth of drafts ([active requests]), drawn from q, megatron's sampling distribution
         of the logits (temperature, top-k, top-p), which is recorded."""
         probs = self.sampling_probs(logits_2d)
@@ -132,7 +129,7 @@ class RejectionSamplingController(TextGenerationController):
         probs = torch.stack(self._draft_probs, dim=1)[where]
         return drafts, probs
 
-    def rejection_sampled_rows(self, logits: torch.Tensor, num_decode: int, num_prefill: int) -> torch.Tensor:
+    def verification_rows(self, logits: torch.Tensor, num_decode: int, num_prefill: int) -> torch.Tensor:
         """Tokens for the verification rows ``logits`` [D * (k + 1) + P, V] (decode requests' k + 1
         rows each, then prefill requests' one): decode requests' rows by rejection sampling,
         prefill requests' from p."""
@@ -151,19 +148,9 @@ class RejectionSamplingController(TextGenerationController):
             parts.append(torch.multinomial(p[decode_rows:], 1, generator=self.sampling_rng).view(-1))
         return torch.cat(parts)
 
-    def _sample_speculative_logits(self, required_logits: torch.Tensor, request_in_prefill_status_tensor: torch.Tensor):
-        """megatron-core 0.17's verification rows (decode requests first): ``(tokens, rows per
-        request)``, the tokens by rejection sampling."""
-        num_prefill = int(request_in_prefill_status_tensor.sum())
-        num_decode = request_in_prefill_status_tensor.numel() - num_prefill
-        repeats = torch.where(request_in_prefill_status_tensor == 0, 1 + self.num_speculative_tokens, 1)
-        return self.rejection_sampled_rows(required_logits, num_decode, num_prefill), repeats
-
-    def _verify_speculative_tokens(self, *args, **kwargs):
-        """The engine's equality check, after asserting (on the device) that the drafts it
-        verifies are the ones rejection sampling judged."""
-        arguments = _VERIFY_SIGNATURE.bind(self, *args, **kwargs).arguments
-        num_decode_requests, input_tokens_required = arguments["num_decode_requests"], arguments["input_tokens_required"]
+    def before_verifying_drafts(self, input_tokens_required: torch.Tensor, num_decode_requests: int) -> None:
+        """Assert (on the device) that the drafts the engine's equality check verifies are the
+        ones rejection sampling judged."""
         if num_decode_requests:
             stride = self.num_speculative_tokens + 1
             verified = input_tokens_required.reshape(-1)[: num_decode_requests * stride].view(num_decode_requests, stride)[:, 1:]
@@ -172,27 +159,3 @@ class RejectionSamplingController(TextGenerationController):
                 (verified == recorded.to(verified.device)).all(),
                 "rejection sampling: the drafts in the engine's input are not the recorded ones",
             )
-        return super()._verify_speculative_tokens(*args, **kwargs)
-
-
-_VERIFY_SIGNATURE = inspect.signature(TextGenerationController._verify_speculative_tokens) if hasattr(
-    TextGenerationController, "_verify_speculative_tokens"
-) else None
-
-
-class _RejectionSampling:
-    """megatron's sampling backend, with ``sample_speculative`` replaced by rejection sampling;
-    everything else is the backend's own."""
-
-    def __init__(self, backend, controller: RejectionSamplingController):
-        self._backend = backend
-        self._controller = controller
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
-
-    def sample_speculative(self, required_logits, num_decode, num_prefill, num_speculative_tokens, context, *, gather_indices=None, **unused):
-        """Tokens for every verification row ([D * (k + 1) + P])."""
-        count = num_decode * (num_speculative_tokens + 1) + num_prefill
-        logits = required_logits[gather_indices[:count]] if gather_indices is not None else required_logits[:count]
-        return self._controller.rejection_sampled_rows(logits, num_decode, num_prefill)

@@ -8,14 +8,13 @@ nodes see). Completeness (the directory becoming the latest checkpoint) is the d
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 from pathlib import Path
 
 import torch
 
 from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
+from nemo_rl_mtp.megatron_compat.dist_checkpointing import write_results_collected_in_process
 from nemo_rl_mtp.training.model import MegatronPolicyModel
 
 logger = logging.getLogger(__name__)
@@ -88,25 +87,3 @@ def _set_rng_states(states: dict) -> None:
     get_cuda_rng_tracker().set_states(states["tracker"])
     if "cuda" in states and cpu_runtime.cuda_available():
         torch.cuda.set_rng_state(states["cuda"])
-
-
-@contextlib.contextmanager
-def write_results_collected_in_process():
-    """For one synchronous save: dist_checkpointing's writer threads report to a queue that
-    megatron creates on first use as a multiprocessing Manager queue, by spawning a manager
-    process: 12 s on a 2-core VM (a new interpreter importing torch), once per run. A synchronous
-    save's writer threads live in this process, so a plain queue carries the same results. It is
-    megatron's cached ``filesystem_async._results_queue``, set for the save and put back after it,
-    so an asynchronous save (another process's writers) still gets megatron's own queue."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", "absent") is not None:
-        if not hasattr(filesystem_async, "_results_queue"):
-            logger.warning("dist_checkpointing has no _results_queue to set: this save spawns its manager process")
-        yield
-        return
-    filesystem_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = None

@@ -28,7 +28,6 @@ seen so far depends on the split), and during training the routers' global aux l
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import inspect
 import logging
@@ -38,6 +37,7 @@ from megatron.core import parallel_state
 
 from nemo_rl_mtp.config.schema import GLOBAL_BATCH_AUX_LOSS
 from nemo_rl_mtp.megatron_compat.capabilities import MOE_METRICS_MODULE
+from nemo_rl_mtp.megatron_compat.moe_router import MEGATRON_GLOBAL_AUX_LOSS, global_load_statistics  # noqa: F401 (re-exported)
 from nemo_rl_mtp.training.aux_losses import backward_seed_over, sum_over_data_parallel
 from nemo_rl_mtp.metrics import MOE, all_in_scope
 
@@ -50,8 +50,6 @@ def moe_enabled(config) -> bool:
     return bool(getattr(config, "num_moe_experts", None))
 
 
-# megatron's name for load balancing at global-batch level: what the TransformerConfig says.
-MEGATRON_GLOBAL_AUX_LOSS = "global_aux_loss"
 
 
 def uses_global_load_statistics(megatron_cfg) -> bool:
@@ -120,39 +118,6 @@ def sum_over_ranks(counts: dict) -> dict:
         torch.distributed.all_reduce(tokens, group=router.tp_cp_group)
         torch.distributed.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
     return counts
-
-
-@contextlib.contextmanager
-def global_load_statistics(counts: dict, global_router_tokens: torch.Tensor):
-    """During the training pass, each router's load-balancing loss uses the global batch's counts
-    (module docstring). Its gradient comes out as the global loss's share of this microbatch once
-    megatron multiplies by the valid tokens and ``moe_grad_scale`` divides by N."""
-    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
-
-    def global_aux_loss(router, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
-        coefficient = router.get_aux_loss_coeff(MEGATRON_GLOBAL_AUX_LOSS)
-        if coefficient == 0:
-            return probs
-        tokens_per_expert = counts[router]
-        aux_loss = switch_load_balancing_loss_func(
-            probs=scores_for_aux_loss,
-            tokens_per_expert=tokens_per_expert,
-            total_num_tokens=tokens_per_expert.sum() / router.topk,
-            topk=router.topk,
-            num_experts=router.config.num_moe_experts,
-            moe_aux_loss_coeff=coefficient,
-            fused=router.config.moe_router_fusion,
-        )
-        valid = global_router_tokens / router.tp_cp_group.size()
-        return router.attach_and_log_load_balancing_loss(probs, coefficient, aux_loss, "load_balancing_loss", router.tp_cp_group, valid_token_count=valid)
-
-    for router in counts:
-        router._apply_global_aux_loss = functools.partial(global_aux_loss, router)
-    try:
-        yield
-    finally:
-        for router in counts:
-            del router._apply_global_aux_loss
 
 
 def get_moe_metrics(config, num_microbatches: int, global_statistics: bool) -> dict[str, float]:

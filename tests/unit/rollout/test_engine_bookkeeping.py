@@ -18,7 +18,7 @@ from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngin
 from megatron.core.inference.text_generation_controllers import text_generation_controller  # noqa: E402
 
 from nemo_rl_mtp.rollout import bookkeeping as engine_bookkeeping  # noqa: E402
-from nemo_rl_mtp.megatron_compat import engine_names  # noqa: E402
+from nemo_rl_mtp.megatron_compat import engine_access, engine_probes, kv_rewind  # noqa: E402
 from nemo_rl_mtp.megatron_compat import engine_release  # noqa: E402
 from nemo_rl_mtp.rollout.engine import RolloutEngine  # noqa: E402
 from nemo_rl_mtp.megatron_compat import speculative_kernels  # noqa: E402
@@ -60,7 +60,7 @@ def test_rollouts_and_counts_equal_megatrons_own_bookkeeping(monkeypatch, k, ver
 
     # megatron's engine, telling the controller the sampling parameters (RequestSamplingNotes: no bookkeeping)
     monkeypatch.setattr(engine_bookkeeping, "SpeculativeBookkeepingEngine", engine_bookkeeping.RequestSamplingNotes)
-    monkeypatch.setattr(engine_bookkeeping, "install_vectorised_rewind", lambda: False)
+    monkeypatch.setattr(kv_rewind, "install_vectorised_rewind", lambda: False)
     if not REWIND_LOOP_MISSING:
         monkeypatch.setattr(text_generation_controller, "rewind_kv_cache", mtp_utils_pytorch.rewind_kv_cache)
         monkeypatch.setattr(text_generation_controller, "prepare_next_forward_pass", mtp_utils_pytorch.prepare_next_forward_pass)
@@ -82,10 +82,10 @@ def test_rollouts_and_counts_equal_megatrons_own_bookkeeping(monkeypatch, k, ver
 
 @requires_rewind_loop
 def test_the_rewind_patch_is_needed_on_the_installed_release_and_idempotent(caplog):
-    assert engine_bookkeeping.vectorised_rewind_probe()[0]
-    with caplog.at_level(logging.INFO, logger=engine_bookkeeping.__name__):
-        assert engine_bookkeeping.install_vectorised_rewind()
-        assert engine_bookkeeping.install_vectorised_rewind()
+    assert kv_rewind.vectorised_rewind_probe()[0]
+    with caplog.at_level(logging.INFO, logger=kv_rewind.__name__):
+        assert kv_rewind.install_vectorised_rewind()
+        assert kv_rewind.install_vectorised_rewind()
     assert text_generation_controller.rewind_kv_cache is speculative_kernels.rewind_kv_cache
 
 
@@ -106,15 +106,15 @@ def test_the_rewind_patch_switches_itself_off_where_upstream_changed(monkeypatch
         monkeypatch.setattr(mtp_utils_pytorch, "rewind_kv_cache", rewinds_one_more)
         monkeypatch.setattr(text_generation_controller, "rewind_kv_cache", rewinds_one_more)
     before = getattr(text_generation_controller, "rewind_kv_cache", None)
-    with caplog.at_level(logging.WARNING, logger=engine_bookkeeping.__name__):
-        assert not engine_bookkeeping.install_vectorised_rewind()
+    with caplog.at_level(logging.WARNING, logger=kv_rewind.__name__):
+        assert not kv_rewind.install_vectorised_rewind()
     assert "not installed" in caplog.text
     assert getattr(text_generation_controller, "rewind_kv_cache", None) is before
 
 
 def test_every_private_engine_name_the_speculation_path_needs_is_in_the_installed_release():
     policy, cfg = make_policy(**engine_overrides(2, 2))
-    assert engine_names.changed_names(RolloutEngine(policy, cfg).engine, cfg.generation) == []
+    assert engine_probes.changed_names(RolloutEngine(policy, cfg).engine, cfg.generation) == []
 
 
 def _mtp_layer_class():
@@ -143,7 +143,7 @@ def test_a_renamed_private_name_stops_the_engine_build_naming_it(monkeypatch, ow
     constructor or reset sets it)."""
     policy, cfg = make_policy(**engine_overrides(1, 1))
     if owner == "the verification rows' hook":  # the sampling backend's (0.18 on), else the controller's (0.17)
-        backend = engine_names.sampling_backend(RolloutEngine(policy, cfg).engine.controller)
+        backend = engine_access.sampling_backend(RolloutEngine(policy, cfg).engine.controller)
         owner, name = (type(backend), "sample_speculative") if backend is not None else (text_generation_controller.TextGenerationController, "_sample_speculative_logits")
     owner = owner if isinstance(owner, type) else owner()
     if hasattr(owner, name):
@@ -168,7 +168,7 @@ def test_without_the_backends_log_probs_kernel_rejection_sampling_writes_the_dis
     overrides = engine_overrides(2, 2, generation__temperature=0.7, generation__top_p=0.9)
     policy, cfg = make_policy(**overrides)
     native = generate(RolloutEngine(policy, cfg), PROMPTS, seed=5)
-    backend = engine_names.sampling_backend(RolloutEngine(policy, cfg).engine.controller)
+    backend = engine_access.sampling_backend(RolloutEngine(policy, cfg).engine.controller)
     for cls in type(backend).__mro__:
         if "log_probs_kernel" in vars(cls):
             monkeypatch.delattr(cls, "log_probs_kernel")
@@ -178,3 +178,44 @@ def test_without_the_backends_log_probs_kernel_rejection_sampling_writes_the_dis
     assert "the sampling distribution written out" in caplog.text
     written_out = generate(engine, PROMPTS, seed=5)
     assert torch.equal(written_out["tokens"], native["tokens"]) and torch.equal(written_out["draft_accepted"], native["draft_accepted"])
+
+
+@requires_rewind_loop
+def test_the_rewind_behaviour_check_runs_once_per_upstream_function(monkeypatch):
+    """Engine builds reuse the verdict for the function they compare with; another function (a
+    control: upstream replaced it) is checked again."""
+    calls = []
+    original = kv_rewind._same_rewind
+    monkeypatch.setattr(kv_rewind, "_same_rewind", lambda reference: calls.append(reference) or original(reference))
+    monkeypatch.setattr(kv_rewind, "_SAME_RESULTS", {})
+    monkeypatch.setattr(text_generation_controller, "rewind_kv_cache", mtp_utils_pytorch.rewind_kv_cache)
+    for _ in range(3):
+        assert kv_rewind.vectorised_rewind_probe()[0]
+    assert calls == [mtp_utils_pytorch.rewind_kv_cache]
+
+    def another_loop(*args, **kwargs):
+        return original_loop(*args, **kwargs)
+
+    original_loop = mtp_utils_pytorch.rewind_kv_cache
+    another_loop.__signature__ = __import__("inspect").signature(original_loop)
+    monkeypatch.setattr(mtp_utils_pytorch, "rewind_kv_cache", another_loop)
+    monkeypatch.setattr(text_generation_controller, "rewind_kv_cache", another_loop)
+    assert kv_rewind.vectorised_rewind_probe()[0]
+    assert calls == [original_loop, another_loop]
+
+
+def test_the_sampler_probe_runs_once_per_sampling_function(monkeypatch):
+    """Without the backend's log_probs_kernel each rejection-sampling build asks whether the
+    release's sampler draws from the written-out distribution: asked once, then reused."""
+    policy, cfg = make_policy(**engine_overrides(1, 1))
+    backend = engine_access.sampling_backend(RolloutEngine(policy, cfg).engine.controller)
+    for cls in type(backend).__mro__:
+        if "log_probs_kernel" in vars(cls):
+            monkeypatch.delattr(cls, "log_probs_kernel")
+    calls = []
+    original = engine_probes._sampler_agrees
+    monkeypatch.setattr(engine_probes, "_sampler_agrees", lambda controller: calls.append(1) or original(controller))
+    monkeypatch.setattr(engine_probes, "_SAMPLER_VERDICTS", {})
+    for _ in range(2):
+        assert RolloutEngine(policy, cfg).engine.controller._native_log_probs is None
+    assert len(calls) == 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_rl_mtp.training.imitation import IMITATION_LOSS, imitation_step
-from nemo_rl_mtp.megatron_compat import engine_names
+from nemo_rl_mtp.megatron_compat import engine_access
 from nemo_rl_mtp.rollout.engine import RolloutEngine
 from nemo_rl_mtp.rollout.speculation import speculation_metrics
 from nemo_rl_mtp.training.logprobs import compute_logprobs
@@ -29,7 +29,7 @@ def _policy(num_speculative_tokens: int, mtp_num_layers: int = 2, **overrides):
 
 def _inference_flag_active() -> bool:
     """megatron's InferenceMode flag (0.18 on); False where the release has none."""
-    flag = engine_names.inference_mode_flag()
+    flag = engine_access.inference_mode_flag()
     return flag is not None and flag.is_active()
 
 
@@ -96,7 +96,7 @@ def test_rollouts_and_engine_builds_leave_the_flag_and_every_modules_mode_as_the
     """A model in eval mode with its MTP block in train mode (mixed, as a caller may hold it), and
     megatron's InferenceMode flag set or not: a rollout and an engine rebuild (``auto`` switching
     k) hand both back as they found them, not forced to train mode and a cleared flag."""
-    flag = engine_names.inference_mode_flag()
+    flag = engine_access.inference_mode_flag()
     if flag_before and flag is None:
         pytest.skip(on_this_release("no InferenceMode flag (before 0.18: eval mode is the flag)"))
     k = drafts_where_possible(1)

@@ -20,8 +20,9 @@ Where releases differ, each alternative is probed and the one found is used (log
   :func:`sampling_log_probs`, megatron's torch filters written out, where a probe finds the
   release's sampler drawing exactly from it (0.17, 0.18).
 
-Names we could derive from public ones are derived instead of read: the unwrapped model, the last
-pipeline stage, sequence parallelism and the number of draft depths.
+The accessors the hot path reads these names through are in :mod:`engine_access`; behaviour
+probes that decide a switch (the release's sampler agreeing with the written-out distribution) run
+once per process for each implementation they probe.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import inspect
 import logging
 
 import torch
+
+from nemo_rl_mtp.megatron_compat.engine_access import sampling_backend, sampling_log_probs, unwrapped_model
 
 logger = logging.getLogger(__name__)
 
@@ -127,41 +130,6 @@ def check_engine_names(engine, generation_cfg) -> None:
         logger.info("rollout engine: %s", ", ".join(used))
 
 
-# --- Names derived from public ones -----------------------------------------------------------
-
-
-def unwrapped_model(controller):
-    """The GPTModel under the controller's inference wrapper."""
-    from megatron.core.utils import unwrap_model
-
-    return unwrap_model(controller.inference_wrapped_model.model)
-
-
-def is_last_pipeline_stage(controller) -> bool:
-    from megatron.core.inference.communication_utils import is_pipeline_last_stage
-
-    return is_pipeline_last_stage(controller.pp_group)
-
-
-def sequence_parallel_across_ranks(controller) -> bool:
-    """Whether the step's activations are scattered over tensor-parallel ranks."""
-    from megatron.core import parallel_state
-
-    return bool(controller.model_config.sequence_parallel) and parallel_state.get_tensor_model_parallel_world_size() > 1
-
-
-def draft_depths(model, num_speculative_tokens: int) -> int:
-    """MTP depths megatron's draft loop runs with k drafts per step: k for a repeated layer (the
-    configuration check keeps k within the layers where the controller cannot do more), else at
-    most one per MTP layer."""
-    if not num_speculative_tokens or getattr(model, "mtp", None) is None:
-        return 0
-    return num_speculative_tokens if model.mtp.mtp_use_repeated_layer else min(num_speculative_tokens, len(model.mtp.layers))
-
-
-# --- Alternatives, probed -------------------------------------------------------------------
-
-
 def decoder_hidden_source(controller) -> str | None:
     """Where the installed release keeps the step's decoder output for its draft step:
     ``context.mtp_decoder_hidden_states`` or ``model._decoder_hidden_states_cache`` (None: neither)."""
@@ -174,24 +142,8 @@ def decoder_hidden_source(controller) -> str | None:
     return None
 
 
-def step_decoder_hidden(controller):
-    """The step's decoder output [T, 1, H] (scattered under sequence parallelism), or None where
-    this pipeline stage has none."""
-    context = controller.inference_wrapped_model.inference_context
-    if decoder_hidden_source(controller) == "context.mtp_decoder_hidden_states":
-        return context.mtp_decoder_hidden_states
-    return getattr(unwrapped_model(controller), "_decoder_hidden_states_cache", None)
-
-
 def _missing_hidden_states() -> str:
     return "the step's decoder hidden states (neither context.mtp_decoder_hidden_states nor model._decoder_hidden_states_cache)"
-
-
-def sampling_backend(controller):
-    """megatron's sampling backend of the controller (0.18 on; None before), under rejection
-    sampling's wrapper where it is installed."""
-    backend = getattr(controller, "_sampling", None)
-    return getattr(backend, "_backend", backend)
 
 
 def verification_rows_hook(controller) -> str | None:
@@ -222,27 +174,6 @@ def native_log_probs(controller):
     return getattr(backend, "log_probs_kernel") if _takes(method, BACKEND_LOG_PROBS) else None
 
 
-def sampling_log_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Log-probs ``[N, V]`` of the distribution megatron-core's torch sampler draws from for
-    ``logits`` ``[N, V]``: divided by the temperature, outside the top-k (top-k > 0) or outside
-    the nucleus (top-p > 0; the first token past it kept) -inf, softmax. top-k 1 is its argmax.
-    For releases whose backend has no ``log_probs_kernel``; :func:`release_sampler_agrees` checks
-    it against the release's own sampler."""
-    logits = logits.float()
-    if top_k == 1:
-        return torch.full_like(logits, float("-inf")).scatter(1, logits.argmax(dim=-1, keepdim=True), 0.0)
-    if temperature != 1.0:
-        logits = logits / temperature
-    if top_k > 1:
-        logits = logits.masked_fill(logits < torch.topk(logits, top_k)[0][..., -1, None], float("-inf"))
-    elif top_p > 0.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        beyond = sorted_logits.softmax(dim=-1).cumsum(dim=-1) > top_p
-        beyond = torch.cat([torch.zeros_like(beyond[:, :1]), beyond[:, :-1]], dim=1)
-        logits = logits.masked_fill(beyond.scatter(1, order, beyond), float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
-
-
 PROBE_SAMPLING = ((1.0, 0, 0.0), (0.7, 5, 0.0), (1.0, 0, 0.8), (1.0, 1, 0.0))
 
 
@@ -250,31 +181,56 @@ def release_sampler(controller):
     """The installed release's torch sampling function ``(logits, temperature, top_k, top_p,
     generator) -> tokens``, or None: the backend's ``sample_from_logits`` (0.18, 0.19) or the
     controller's ``_torch_sampling_func`` (0.17, which draws from ``sampling_rng``)."""
-    backend = sampling_backend(controller)
-    sample = getattr(type(backend), "sample_from_logits", None) if backend is not None else None
-    if _takes(sample, ["last_token_logits", "temperature", "top_k", "top_p"]):
+    sample = _release_sampling_function(controller)
+    if sample is None:
+        return None
+    if sample is not _controller_sampling_function():
         return lambda logits, t, k, p, generator: sample(logits, t, k, p, generator=generator)
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
-    sample = getattr(TextGenerationController, "_torch_sampling_func", None)
-    if _takes(sample, ["last_token_logits", "temperature", "top_k", "top_p"]):
+    def drawn_with(logits, t, k, p, generator):
+        saved = controller.sampling_rng
+        controller.sampling_rng = generator
+        try:
+            return sample(controller, logits, t, k, p)
+        finally:
+            controller.sampling_rng = saved
 
-        def drawn_with(logits, t, k, p, generator):
-            saved = controller.sampling_rng
-            controller.sampling_rng = generator
-            try:
-                return sample(controller, logits, t, k, p)
-            finally:
-                controller.sampling_rng = saved
-
-        return drawn_with
-    return None
+    return drawn_with
 
 
 def release_sampler_agrees(controller) -> tuple[bool, str]:
     """Probe: the release's sampler and a draw from :func:`sampling_log_probs` pick the same
     tokens from the same generator state, on 64 random rows of 24 ids, for each of
-    ``PROBE_SAMPLING``'s (temperature, top-k, top-p)."""
+    ``PROBE_SAMPLING``'s (temperature, top-k, top-p). Decided once per process for each sampling
+    function (a release's, or one a test put in its place): the verdict is the function's, not
+    the controller's."""
+    function = _release_sampling_function(controller)
+    if function not in _SAMPLER_VERDICTS:
+        _SAMPLER_VERDICTS[function] = _sampler_agrees(controller)
+    return _SAMPLER_VERDICTS[function]
+
+
+# The sampler probe's verdict per sampling function (``None``: none found), once per process.
+_SAMPLER_VERDICTS: dict = {}
+
+
+def _release_sampling_function(controller):
+    """The function :func:`release_sampler` draws with (None: none)."""
+    backend = sampling_backend(controller)
+    sample = getattr(type(backend), "sample_from_logits", None) if backend is not None else None
+    if _takes(sample, ["last_token_logits", "temperature", "top_k", "top_p"]):
+        return sample
+    sample = _controller_sampling_function()
+    return sample if _takes(sample, ["last_token_logits", "temperature", "top_k", "top_p"]) else None
+
+
+def _controller_sampling_function():
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+
+    return getattr(TextGenerationController, "_torch_sampling_func", None)
+
+
+def _sampler_agrees(controller) -> tuple[bool, str]:
     sample = release_sampler(controller)
     if sample is None:
         return False, "no torch sampling function found (neither sampling backend.sample_from_logits nor controller._torch_sampling_func)"
@@ -288,7 +244,36 @@ def release_sampler_agrees(controller) -> tuple[bool, str]:
     return True, "the release's sampler draws exactly from its temperature/top-k/top-p distribution"
 
 
-# --- Checks ------------------------------------------------------------------------------------
+def upstream_drafts_have_context(model) -> bool:
+    """Whether the installed engine's draft step can see earlier positions of a request: it
+    would need an inference context or a KV cache to read them. 0.19.2's takes neither (its
+    ``cache_key`` names a CUDA graph). Decides whether the rollout's drafters serve the draft
+    rounds (``policy.generation.draft_context``)."""
+    parameters = inspect.signature(model.compute_mtp_single_step).parameters
+    return any("context" in name or "kv" in name for name in parameters)
+
+
+def serial_step_leak(model) -> float | None:
+    """How much megatron's serial draft step changes the second request's draft logits when only
+    the first request's input changes (0.0: requests are independent), measured once per process
+    for each draft-step implementation (None after the first: it was logged then). A figure for
+    the log, deciding nothing (:func:`upstream_drafts_have_context` decides); the defect itself is
+    a test on each release (tests/unit/rollout/test_sequence_drafts.py). Call in rollout mode."""
+    implementation = getattr(type(model), "compute_mtp_single_step", None)
+    if implementation in _LEAK_MEASURED:
+        return None
+    _LEAK_MEASURED.add(implementation)
+    hidden = torch.randn(2, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(next(model.parameters()).device, model.config.params_dtype)
+    ids = torch.zeros(1, 2, dtype=torch.long, device=hidden.device)
+    with torch.no_grad():
+        _, first = model.compute_mtp_single_step(hidden, ids, ids, depth=0)
+        hidden[0] += 1.0
+        _, second = model.compute_mtp_single_step(hidden, ids, ids, depth=0)
+    return float((first[1] - second[1]).abs().max())
+
+
+_LEAK_MEASURED: set = set()
 
 
 def _megatron_class(instance) -> type:
@@ -320,19 +305,3 @@ def _methods(cls: type, expected: dict[str, list[str]], owner: str, by_name: boo
         if not (set(needed) <= set(parameters) if by_name else parameters[: len(needed)] == needed):
             problems.append(f"{owner}.{name} (parameters now {parameters})")
     return problems
-
-
-def inference_mode_flag():
-    """megatron's process-wide ``InferenceMode`` flag (0.18 on: the models read it to tell an
-    engine's forward from a training one), or None where the release has none (0.16, 0.17: the
-    models decide by ``not self.training`` with an inference context, so eval mode is the flag)."""
-    try:
-        from megatron.core.inference.utils import InferenceMode
-    except ImportError:
-        return None
-    if not all(callable(getattr(InferenceMode, name, None)) for name in ("is_active", "set_active", "unset_active")):
-        raise RuntimeError(
-            "megatron-core's InferenceMode no longer has is_active/set_active/unset_active; the rollouts cannot "
-            "set and restore it (nemo_rl_mtp/megatron_compat/engine_names.py)"
-        )
-    return InferenceMode
