@@ -1,6 +1,6 @@
 """How long building the rollout engine takes: the first build in a process, and later ones.
 
-    uv run python benchmarks/engine_build.py [--builds 10] [--k 1] [--config examples/configs/grpo_mtp_tiny_cpu.yaml]
+    uv run python -m benchmarks.engine_build [--builds 10] [--k 1] [--config examples/configs/grpo_mtp_tiny_cpu.yaml]
 
 The default recipe's policy (examples/run_grpo.py's config) is built once in a single-process
 megatron world; then ``build_engine`` runs ``--builds`` times over it with ``--k`` drafts per step
@@ -15,22 +15,18 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from nemo_rl_mtp.config.load import load_config  # noqa: E402
-from nemo_rl_mtp.rollout.engine import build_engine  # noqa: E402
-from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
-from tests.helpers import DEFAULT_RECIPE, VOCAB_SIZE, free_port  # noqa: E402
+from nemo_rl_mtp.grpo.checked_config import load_checked_config
+from nemo_rl_mtp.rollout.engine import build_engine
+from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
+from tests.support.helpers import DEFAULT_RECIPE, VOCAB_SIZE, free_port
 
 
 def build_times(config: Path, builds: int, k: int) -> list[float]:
     """Seconds of each of ``builds`` engine builds with ``k`` drafts per step over the recipe's policy."""
-    cfg = load_config(config, [f"policy.megatron_cfg.mtp_num_layers={max(k, 1)}"])
+    cfg = load_checked_config(config, [f"policy.megatron_cfg.mtp_num_layers={max(k, 1)}"])
     initialize_model_parallel(cfg.policy.megatron_cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
     policy = setup_megatron_policy(cfg.policy, VOCAB_SIZE)
     seconds = []

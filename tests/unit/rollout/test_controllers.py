@@ -9,15 +9,15 @@ import pkgutil
 
 import pytest
 
-from tests.unit.rollout.engine_cases import skip_module_without_speculation
+from tests.support.engine_cases import skip_module_without_speculation
 
 skip_module_without_speculation()
 
 import nemo_rl_mtp  # noqa: E402
 from nemo_rl_mtp.rollout import controllers  # noqa: E402
 from nemo_rl_mtp.rollout.engine import RolloutEngine  # noqa: E402
-from tests.helpers import make_policy  # noqa: E402
-from tests.unit.rollout.engine_cases import engine_overrides  # noqa: E402
+from tests.support.helpers import make_policy  # noqa: E402
+from tests.support.engine_cases import engine_overrides  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
