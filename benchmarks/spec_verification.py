@@ -24,7 +24,8 @@ from omegaconf import read_write
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-from nemo_rl_mtp.grpo.loop import grpo_train, latest_checkpoint  # noqa: E402
+from nemo_rl_mtp.grpo.loop import grpo_train  # noqa: E402
+from nemo_rl_mtp.grpo.run import latest_checkpoint  # noqa: E402
 from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer  # noqa: E402
 from nemo_rl_mtp.cluster.ray_cluster import shutdown_ray  # noqa: E402
 from nemo_rl_mtp.tasks.digit_tasks import DigitTaskPrompts  # noqa: E402

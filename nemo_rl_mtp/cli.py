@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None, default_config: str | Path | None = None
         # The pure checks first, with nothing heavy imported: bad input fails in about a second.
         cfg = load_pure_checked_config(args.config, args.overrides)
         check_installed_release(cfg)  # imports megatron-core: what the installed release can do
-        from nemo_rl_mtp.grpo.loop import grpo_train, with_run_name
+        from nemo_rl_mtp.grpo.loop import grpo_train
+        from nemo_rl_mtp.grpo.run import with_run_name
 
         cfg = with_run_name(cfg)
         # Checks the config against this machine and the run directory before any worker starts;
@@ -91,7 +92,7 @@ def resume_hint(cfg) -> str:
     """Where an interrupted run can continue from, and the command line that continues it."""
     if cfg is None or cfg.logger.run_name is None:
         return "the run had not started"
-    from nemo_rl_mtp.grpo.loop import latest_checkpoint
+    from nemo_rl_mtp.grpo.run import latest_checkpoint
 
     latest = latest_checkpoint(cfg)
     if latest is None:
@@ -113,7 +114,7 @@ def stop_ray(was_running: bool) -> None:
 
 def print_summary(cfg, history: list[dict[str, float]], wall_s: float) -> None:
     """The run's figure, drawn now, and its summary."""
-    from nemo_rl_mtp.grpo.loop import run_directory
+    from nemo_rl_mtp.grpo.run import run_directory
     from nemo_rl_mtp.reporting.plot import plot_run
     from nemo_rl_mtp.reporting.summary import run_summary
 

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from nemo_rl_mtp.tasks.demonstrations import warmup_tasks
 from nemo_rl_mtp.tasks.interfaces import PromptSource, TaskPrompt
 from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer
 from nemo_rl_mtp.tasks.environment_interface import EnvironmentInterface, EnvironmentReturn
@@ -106,6 +107,13 @@ class DigitTaskPrompts(PromptSource):
 
     def next_prompts(self, num_prompts: int) -> list[TaskPrompt]:
         return [self.task_prompt(digits) for digits in self.sample_digits(num_prompts, self.generator)]
+
+    def warmup_prompts(self, num_prompts: int, distractor_task: Optional[str], distractor_fraction: float) -> list[TaskPrompt]:
+        """Training prompts whose demonstrations answer ``distractor_task`` with probability
+        ``distractor_fraction`` (drawn from the run's generator after the prompts), else the task."""
+        prompts = self.next_prompts(num_prompts)
+        tasks = warmup_tasks(self.task, distractor_task, distractor_fraction, len(prompts), self.generator)
+        return [self.answered_as(prompt, task) for prompt, task in zip(prompts, tasks)]
 
     def answered_as(self, prompt: TaskPrompt, task: str) -> TaskPrompt:
         """``prompt`` with ``task``'s answer as its demonstration: a warm start whose

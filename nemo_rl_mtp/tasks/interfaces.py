@@ -35,6 +35,14 @@ class PromptSource(abc.ABC):
     def next_prompts(self, num_prompts: int) -> list[TaskPrompt]:
         """The next ``num_prompts`` training prompts of the run's order."""
 
+    def warmup_prompts(self, num_prompts: int, distractor_task: Optional[str], distractor_fraction: float) -> list[TaskPrompt]:
+        """Training prompts for the imitation warm start, each with the demonstration to imitate.
+        A ``distractor_task`` (answering some prompts as another task would) is the digit tasks'
+        alone; the config checks refuse it for any other source."""
+        if distractor_task is not None:
+            raise ValueError(f"grpo.warmup_distractor_task={distractor_task}: {type(self).__name__} has no other task to answer as")
+        return self.next_prompts(num_prompts)
+
     @abc.abstractmethod
     def state_dict(self) -> dict:
         """Where the order stands, for a checkpoint: a resumed run continues the same order."""

@@ -28,6 +28,11 @@ class ClippedPGLossFn:
     ratio_clip_max: float
     reference_policy_kl_penalty: float
 
+    @classmethod
+    def from_config(cls, loss_cfg) -> "ClippedPGLossFn":
+        """The loss ``loss_fn:`` configures."""
+        return cls(loss_cfg.ratio_clip_min, loss_cfg.ratio_clip_max, loss_cfg.reference_policy_kl_penalty)
+
     def __call__(
         self, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], global_valid_tokens: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

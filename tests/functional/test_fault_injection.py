@@ -199,8 +199,7 @@ def test_under_uv_run_workers_use_the_driver_environment_and_sigterm_exits_143_i
 
 def test_a_run_directory_without_checkpoint_is_refused_unless_overwritten(log_dir):
     """Refused before any worker starts; ``--overwrite`` clears the directory for the new run."""
-    from nemo_rl_mtp.grpo.loop import prepare_run_directory
-    from nemo_rl_mtp.grpo.run import CheckpointDirectory
+    from nemo_rl_mtp.grpo.run import CheckpointDirectory, prepare_run_directory
 
     earlier = log_dir / "earlier"
     earlier.mkdir()

@@ -66,7 +66,7 @@ def test_clipping_and_kl_penalty():
 def test_a_resume_may_change_length_and_layout_but_not_what_is_trained(tmp_path):
     from omegaconf import OmegaConf
 
-    from nemo_rl_mtp.grpo.loop import check_resumable_config
+    from nemo_rl_mtp.grpo.run import check_resumable_config
     from nemo_rl_mtp.config.load import ConfigError, load_config
 
     saved = tmp_path / "config.yaml"
@@ -80,7 +80,7 @@ def test_a_resume_may_change_length_and_layout_but_not_what_is_trained(tmp_path)
 def test_a_run_saved_before_a_key_existed_resumes_at_its_default_and_not_at_another_value(tmp_path):
     from omegaconf import OmegaConf
 
-    from nemo_rl_mtp.grpo.loop import check_resumable_config
+    from nemo_rl_mtp.grpo.run import check_resumable_config
     from nemo_rl_mtp.config.load import ConfigError, load_config
 
     older = OmegaConf.to_container(load_config(overrides=["logger.run_name=run"]))

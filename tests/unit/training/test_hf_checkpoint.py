@@ -150,7 +150,7 @@ def test_greedy_rollouts_of_the_imported_model_equal_transformers_greedy_decodin
 
 def resolved(checkpoint: Path, *overrides: str):
     """The driver's resolution of a config against a checkpoint (before any worker)."""
-    from nemo_rl_mtp.grpo.loop import resolve_model
+    from nemo_rl_mtp.grpo.run import resolve_model
 
     return resolve_model(load_checked_config(overrides=[f"policy.model_name={checkpoint}", "policy.max_total_sequence_length=32", *overrides]))
 
