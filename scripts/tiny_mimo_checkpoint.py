@@ -31,7 +31,9 @@ ARCHITECTURE = dict(
     hidden_size=64,
     intermediate_size=256,
     num_hidden_layers=2,
-    num_attention_heads=4,
+    # Two heads of 32: vLLM's CPU attention serves head sizes of 32 and up (16 raises
+    # "Unsupported CPU attention configuration"), so the CPU recipes' exports serve (docs/serving.md).
+    num_attention_heads=2,
     num_key_value_heads=2,
     max_position_embeddings=512,
     rms_norm_eps=1e-6,

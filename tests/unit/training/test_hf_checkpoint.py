@@ -66,7 +66,8 @@ def assert_mtp_logits_equal(megatron_depths: list[torch.Tensor], reference_depth
 def test_imported_model_computes_the_checkpoints_logits_and_mtp_logits(checkpoints, mtp_layers):
     policy, cfg, _ = imported(checkpoints[mtp_layers])
     assert cfg.policy.megatron_cfg.mtp_num_layers == mtp_layers  # from the checkpoint
-    assert cfg.policy.megatron_cfg.hidden_size == 64 and cfg.policy.megatron_cfg.num_query_groups == 2
+    megatron_cfg = cfg.policy.megatron_cfg
+    assert megatron_cfg.hidden_size == 64 and megatron_cfg.num_attention_heads == megatron_cfg.num_query_groups == 2
     logits, depths = megatron_logits(policy)
     reference, reference_depths = hf_logits(load_hf_model(checkpoints[mtp_layers])[0], TOKENS)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
