@@ -21,7 +21,7 @@ from pathlib import Path
 from nemo_rl_mtp.grpo.checked_config import load_checked_config
 from nemo_rl_mtp.rollout.engine import build_engine
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
-from tests.support.helpers import DEFAULT_RECIPE, VOCAB_SIZE, free_port
+from tests.support.helpers import BASE_RECIPE, VOCAB_SIZE, free_port
 
 
 def build_times(config: Path, builds: int, k: int) -> list[float]:
@@ -43,7 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--builds", type=int, default=10)
     parser.add_argument("--k", type=int, default=1)
-    parser.add_argument("--config", type=Path, default=DEFAULT_RECIPE)
+    parser.add_argument("--config", type=Path, default=BASE_RECIPE)
     args = parser.parse_args()
     seconds = build_times(args.config, args.builds, args.k)
     later = seconds[1:] or seconds

@@ -15,7 +15,10 @@ from tests.support.synthetic import synthetic_rl_batch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES = REPO_ROOT / "examples" / "configs"
 # examples/run_grpo.py's default recipe (the script names it; the package's command has none).
-DEFAULT_RECIPE = RECIPES / "grpo_mtp_tiny_cpu.yaml"
+# The recipe the functional tests build on (the tiny GPT on the reverse task).
+BASE_RECIPE = RECIPES / "grpo_mtp_tiny_cpu.yaml"
+# What `uv run examples/run_grpo.py` runs without --config.
+DEFAULT_RECIPE = RECIPES / "grpo_mtp_default_tiny_cpu.yaml"
 VOCAB_SIZE = 32
 # GRPO steps smaller than the default recipe's, to keep CI short: 8 prompts x 4 samples.
 SMALL_GRPO_STEP = [
@@ -29,12 +32,12 @@ SMALL_GRPO_STEP = [
 ]
 
 
-def run_grpo(argv: list[str]) -> int:
-    """``examples/run_grpo.py <argv>`` in this process (its default recipe unless argv has --config):
-    the exit status."""
+def run_grpo(argv: list[str], recipe: Path = BASE_RECIPE) -> int:
+    """``examples/run_grpo.py <argv>`` in this process, on the base recipe unless argv has --config
+    (``recipe`` otherwise): the exit status."""
     from nemo_rl_mtp.cli import main
 
-    return main(argv, default_config=DEFAULT_RECIPE)
+    return main(argv, default_config=recipe)
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ import pytest
 from nemo_rl_mtp.megatron_compat.engine_release import megatron_release
 from nemo_rl_mtp.config.load import ConfigError
 from nemo_rl_mtp.grpo.checked_config import load_checked_config
-from tests.support.helpers import DEFAULT_RECIPE, tiny_config
+from tests.support.helpers import BASE_RECIPE, tiny_config
 
 # pyproject allows megatron-core < 0.20: every gate is open on 0.19.
 NEWEST_RELEASE = "megatron-core 0.19."
@@ -46,7 +46,7 @@ def release_refusal(**policy_overrides) -> str | None:
 def command_refusal(argv: list[str]) -> str | None:
     """The same for a GRPO command line (``tests.support.helpers.run_grpo``'s ``argv``: its recipe, or
     ``--config``'s, with its overrides); on the newest release a refusal raises."""
-    recipe, overrides = DEFAULT_RECIPE, list(argv)
+    recipe, overrides = BASE_RECIPE, list(argv)
     if "--config" in overrides:
         at = overrides.index("--config")
         recipe = overrides[at + 1]

@@ -39,6 +39,7 @@ def test_summary_shows_each_depth_and_draft_and_nothing_else_per_depth():
     ]
     summary = run_summary(history, Path("logs/run"), 12.0, Path("logs/run/mtp_run.png"))
     assert summary.splitlines() == [
+        "GRPO moved the policy: validation accuracy 0.500 -> 1.000 (+0.500); the MTP head's rollout acceptance held: 30.0% -> 45.0%",
         "reward: 0.250 -> 0.750",
         "validation accuracy: 0.500 -> 1.000",
         "rollout/draft_1_acceptance_rate: 30.0% -> 45.0%",
@@ -49,3 +50,23 @@ def test_summary_shows_each_depth_and_draft_and_nothing_else_per_depth():
         "rollout/tokens_per_decode_step: 1.50 -> 2.00",
         "2 steps in 12 s (start-up included); logs: logs/run; figure: logs/run/mtp_run.png",
     ]
+
+
+def test_what_moved_says_whether_grpo_moved_the_policy_and_whether_the_head_kept_up():
+    from nemo_rl_mtp.reporting.summary import what_moved
+
+    still = [{"val/accuracy": 0.95, "rollout/draft_1_acceptance_rate": 90.0}, {"val/accuracy": 1.0, "rollout/draft_1_acceptance_rate": 97.0}]
+    assert what_moved(still) == (
+        "GRPO hardly moved the policy: validation accuracy 0.950 -> 1.000 (+0.050); "
+        "the MTP head's rollout acceptance held: 90.0% -> 97.0%"
+    )
+    moved = [
+        {"val/accuracy": 0.3, "train/kl_to_start": 0.0, "rollout/draft_1_acceptance_rate": 85.0},
+        {"train/kl_to_start": 0.5},  # a step without validation or drafts
+        {"val/accuracy": 0.7, "train/kl_to_start": 0.8, "rollout/draft_1_acceptance_rate": 70.0},
+    ]
+    assert what_moved(moved) == (
+        "GRPO moved the policy: validation accuracy 0.300 -> 0.700 (+0.400), KL to the start of RL 0.80 nats/token; "
+        "the MTP head's rollout acceptance fell: 85.0% -> 70.0%"
+    )
+    assert what_moved([{"train/reward": 1.0}]) == ""  # no validation: nothing to say
