@@ -93,6 +93,7 @@ _RANGES = {
     "cluster.workers_per_node": (1, True, None, False),
     "cluster.cpus_per_worker": (1, True, None, False),
     "cluster.node_probe_timeout_s": (0.0, False, None, False),
+    "cluster.start_timeout_s": (0.0, False, None, False),
     "checkpointing.save_period": (1, True, None, False),
     "checkpointing.keep_last": (0, True, None, False),
     "policy.generation.temperature": (0.0, False, None, False),

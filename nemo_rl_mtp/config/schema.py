@@ -156,6 +156,7 @@ class ClusterConfig:
     address: Optional[str]
     worker_python: str
     node_probe_timeout_s: float
+    start_timeout_s: float
     cpus_per_worker: int
     gpus_per_worker: int
 
