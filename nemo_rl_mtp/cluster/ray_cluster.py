@@ -13,18 +13,32 @@ On a cluster, ``cluster.worker_python`` says how workers get their Python: ``dri
 interpreter, at the same path on every node: one container image or a shared filesystem) or
 ``uv`` (Ray's uv integration: every node runs ``uv run`` on a copy of the working directory). Either
 way every node is probed before the policy starts: a node that cannot start a worker fails the
-run within ``cluster.node_probe_timeout_s``, naming the node and the cause its raylet gave."""
+run within ``cluster.node_probe_timeout_s``, naming the node and the cause its raylet gave.
+
+Starting or joining Ray is bounded by ``cluster.start_timeout_s``: on a busy machine Ray's own
+start-up waits are too short (a local start failed after about 50 s under a load of 5 on 2
+cores), and Ray can hang in its C++ core for minutes, where no Python signal handler runs. A
+local start therefore raises Ray's waits to that limit and switches off what a one-machine run
+does not use (``ray_compat.local_start_settings``; a variable the user set wins), and a watchdog
+thread ends a start that has not returned by then, or within seconds of a SIGINT / SIGTERM, with
+one line, after stopping every process the start had begun."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
+import select
 import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Iterator, Optional
+
+import psutil
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -43,26 +57,161 @@ class PlacementError(RuntimeError):
     """The cluster cannot host the configured workers."""
 
 
+class RayStartError(RuntimeError):
+    """Ray did not start (or the driver did not connect) within ``cluster.start_timeout_s``."""
+
+
 def init_ray(cluster_cfg: ClusterConfig) -> None:
     """Join ``cluster.address`` when given (then probe its nodes), else start a new local Ray
-    instance (once per process)."""
+    instance (once per process); either within ``cluster.start_timeout_s``."""
     if ray.is_initialized():
         return
-    with driver_sigterm_handler_kept():
+    from nemo_rl_mtp.megatron_compat.ray_compat import driver_failure_signal_handler_off
+
+    limit_s = cluster_cfg.start_timeout_s
+    with driver_sigterm_handler_kept(), driver_failure_signal_handler_off():
         if cluster_cfg.address is None:
-            logger.info("starting a local Ray instance")
+            logger.info("starting a local Ray instance (within cluster.start_timeout_s=%g s)", limit_s)
             # "local": a new instance, even where a previous Ray left its address behind.
-            with workers_use_driver_environment():
+            with local_start_environment(limit_s), workers_use_driver_environment(), bounded_start(limit_s, "start"):
                 ray.init(address="local", include_dashboard=False, log_to_driver=True)
             logger.info("started a local Ray instance: %s", ray.cluster_resources())
             return
-        if cluster_cfg.worker_python == "driver":
-            with workers_use_driver_environment():
-                ray.init(address=cluster_cfg.address, log_to_driver=True, runtime_env={"py_executable": sys.executable})
-        else:
-            ray.init(address=cluster_cfg.address, log_to_driver=True)
+        with bounded_start(limit_s, f"connect to {cluster_cfg.address}"):
+            if cluster_cfg.worker_python == "driver":
+                with workers_use_driver_environment():
+                    ray.init(address=cluster_cfg.address, log_to_driver=True, runtime_env={"py_executable": sys.executable})
+            else:
+                ray.init(address=cluster_cfg.address, log_to_driver=True)
     logger.info("joined Ray cluster at %s (workers' Python: %s)", cluster_cfg.address, _worker_python(cluster_cfg))
     check_nodes_start_workers(cluster_cfg)
+
+
+@contextlib.contextmanager
+def local_start_environment(start_timeout_s: float) -> Iterator[None]:
+    """Ray's environment for a local start on a busy machine (``ray_compat.local_start_settings``)
+    while the block runs: the Ray processes it starts inherit it; a variable the user set keeps
+    the user's value. Logged, both ours and the user's."""
+    from nemo_rl_mtp.megatron_compat import ray_compat
+
+    settings = ray_compat.local_start_settings(start_timeout_s)
+    with ray_compat.environment_set(settings) as users:
+        ours = {name: value for name, value in settings.items() if name not in users}
+        logger.info("Ray start-up settings: %s", " ".join(f"{name}={value}" for name, value in ours.items()) or "none")
+        if users:
+            logger.info("Ray start-up settings of your own, kept: %s", " ".join(f"{name}={value}" for name, value in users.items()))
+        yield
+
+
+# After a SIGINT / SIGTERM during a start, how long the driver's own handler has to end it before
+# the watchdog does (Ray's C++ core may hold the main thread for minutes).
+SIGNAL_GRACE_S = 5.0
+
+
+@contextlib.contextmanager
+def bounded_start(limit_s: float, what: str) -> Iterator[None]:
+    """Around ``ray.init``: every process it began is stopped when it raises (Ray leaves its GCS,
+    raylet and agents behind otherwise), and its own error becomes :class:`RayStartError`. A
+    watchdog thread ends the process, after stopping them, with one line (status 1) when the
+    block has not returned within ``limit_s``, or (status 128 + the signal) ``SIGNAL_GRACE_S``
+    after a SIGINT / SIGTERM that the main thread could not act on."""
+    started = time.time()
+    done = threading.Event()
+    with _signal_wakeup() as wakeup:
+        watchdog = threading.Thread(target=_watch_start, args=(done, started, limit_s, what, wakeup), name="ray-start-watchdog", daemon=True)
+        watchdog.start()
+        try:
+            yield
+        except Exception as error:
+            stop_processes_started_since(started)
+            raise RayStartError(_start_failed(what, limit_s, time.time() - started, error)) from error
+        except BaseException:
+            stop_processes_started_since(started)
+            raise
+        finally:
+            done.set()
+            watchdog.join()
+
+
+@contextlib.contextmanager
+def _signal_wakeup() -> Iterator[Optional[socket.socket]]:
+    """A socket that receives the number of each signal this process gets, from Python's C-level
+    handler, even while the main thread is held in C++ (``signal.set_wakeup_fd``); None off the
+    main thread. The previous wakeup fd is put back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    try:
+        yield reader
+    finally:
+        signal.set_wakeup_fd(previous)
+        reader.close()
+        writer.close()
+
+
+def _watch_start(done: threading.Event, started: float, limit_s: float, what: str, wakeup: Optional[socket.socket]) -> None:
+    """The watchdog of :func:`bounded_start`."""
+    from nemo_rl_mtp.reporting.console import EXIT_ERROR
+
+    deadline = time.monotonic() + limit_s
+    signum = None
+    while not done.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if signum is not None:
+                _abandon_start(started, 128 + signum, "interrupted: the run had not started (Ray's start ignored the signal; its processes were stopped)")
+            _abandon_start(started, EXIT_ERROR, f"error: RayStartError: {_start_failed(what, limit_s)}")
+        if wakeup is None:
+            done.wait(min(left, 0.5))
+            continue
+        readable, _, _ = select.select([wakeup], [], [], min(left, 0.5))
+        if readable and signum is None:
+            received = [number for number in wakeup.recv(64) if number in (signal.SIGINT, signal.SIGTERM)]
+            if received:
+                signum = received[0]
+                deadline = min(deadline, time.monotonic() + SIGNAL_GRACE_S)
+
+
+def _abandon_start(started: float, status: int, line: str) -> None:
+    if not threading.main_thread().is_alive():
+        return
+    stop_processes_started_since(started)
+    print(line, file=sys.stderr, flush=True)
+    os._exit(status)
+
+
+def _start_failed(what: str, limit_s: float, after_s: Optional[float] = None, error: Optional[BaseException] = None) -> str:
+    """The one line of a start that failed (``error``, after ``after_s``) or did not end in time."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    how = f"did not {what} within {limit_s:g} s" if error is None else f"failed to {what} after {after_s:.0f} s ({_first_line(error)})"
+    return (
+        f"cluster: Ray {how}; load average {load:.1f} on {os.cpu_count()} CPUs: if the machine is that busy, "
+        f"raise cluster.start_timeout_s (now {limit_s:g}) or start when it is quieter"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def stop_processes_started_since(started: float) -> None:
+    """Kill this process's descendants started at or after ``started`` (time.time()): the Ray
+    processes of a start that failed, and theirs (agents, workers)."""
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    killed = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if child.create_time() >= started - 1:
+                child.kill()
+                killed.append(child)
+    psutil.wait_procs(killed, timeout=5)
 
 
 def _worker_python(cluster_cfg: ClusterConfig) -> str:

@@ -156,6 +156,7 @@ class ClusterConfig:
     address: Optional[str]
     worker_python: str
     node_probe_timeout_s: float
+    start_timeout_s: float
     cpus_per_worker: int
     gpus_per_worker: int
 
@@ -270,6 +271,7 @@ RANGES: dict[str, tuple] = {
     "cluster.workers_per_node": (1, True, None, False),
     "cluster.cpus_per_worker": (1, True, None, False),
     "cluster.node_probe_timeout_s": (0.0, False, None, False),
+    "cluster.start_timeout_s": (0.0, False, None, False),
     "checkpointing.save_period": (1, True, None, False),
     "checkpointing.keep_last": (0, True, None, False),
     "policy.generation.temperature": (0.0, False, None, False),

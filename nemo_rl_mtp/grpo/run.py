@@ -74,13 +74,31 @@ def restore_prompt_order(run: Run, prompts: PromptSource) -> None:
 
 def with_run_name(cfg: MasterConfig) -> MasterConfig:
     """``cfg`` with ``logger.run_name`` filled in (grpo-<date>-<time> when null), so that the
-    saved config.yaml, the resume hint and a resumed run all name the same directory."""
+    saved config.yaml, the resume hint and a resumed run all name the same directory. The name is
+    claimed by creating its directory: runs started in the same second (two default runs side by
+    side) get grpo-<date>-<time>-2, -3, ... instead of writing into one directory."""
     if cfg.logger.run_name is not None:
         return cfg
     named = copy.deepcopy(cfg)
     with read_write(named):
-        named.logger.run_name = datetime.now().strftime("grpo-%Y%m%d-%H%M%S")
+        named.logger.run_name = claim_run_name(Path(cfg.logger.log_dir), datetime.now().strftime("grpo-%Y%m%d-%H%M%S"))
     return named
+
+
+def claim_run_name(log_dir: Path, stem: str) -> str:
+    """The first of ``stem``, ``stem-2``, ``stem-3``, ... whose directory under ``log_dir`` this
+    call creates (atomic: another process's claim of the same name fails). ``stem`` unclaimed
+    where ``log_dir`` is not writable, which the preflight checks report."""
+    attempt = 1
+    while True:
+        name = stem if attempt == 1 else f"{stem}-{attempt}"
+        try:
+            (log_dir / name).mkdir(parents=True)
+            return name
+        except FileExistsError:
+            attempt += 1
+        except OSError:
+            return stem
 
 
 def run_directory(logger_cfg: LoggerConfig) -> Path:

@@ -9,13 +9,24 @@ expected, or a logged fallback (never a silent one).
   failing node's own explanation from it.
 * ``ray._private.worker._global_node.dead_processes()``: whether a Ray process this driver started
   has died (a signal to the whole process group).
+* ``ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER``: read by ``ray.init`` when it
+  builds the driver's core worker, whose C++ failure handler would otherwise take SIGTERM (a
+  crash dump, exit status 134) while ``ray.init`` runs, out of reach of the driver's own.
+* Ray's C++ settings (``RayConfig``), each read by every Ray process from its environment as
+  ``RAY_<name>`` when the process starts: the start-up timeouts and the work a local run does
+  not need (:func:`local_start_settings`). Probed by name in Ray's core library; a setting this
+  Ray does not know is logged and left out.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import mmap
+import os
 from collections import defaultdict
+from functools import lru_cache
 from typing import Iterator
 
 logger = logging.getLogger(__name__)
@@ -42,6 +53,30 @@ def uv_hook_disabled() -> Iterator[bool]:
         yield True
     finally:
         setattr(ray_constants, UV_HOOK_SWITCH, previous)
+
+
+FAILURE_HANDLER_SWITCH = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
+
+
+@contextlib.contextmanager
+def driver_failure_signal_handler_off() -> Iterator[bool]:
+    """The C++ failure-signal handler of the driver's core worker not installed by a ``ray.init``
+    inside the block (the constant put back afterwards; Ray's own workers keep theirs): with it,
+    a SIGTERM during the start is a crash dump and status 134 that leaves Ray's agents running,
+    and the driver's handler never hears of it. Yields False, with a warning, where this Ray has
+    no such switch."""
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, FAILURE_HANDLER_SWITCH):
+        logger.warning("Ray %s has no %s switch: a SIGTERM while Ray starts may end the driver with a crash dump", _ray_version(), FAILURE_HANDLER_SWITCH)
+        yield False
+        return
+    previous = getattr(ray_constants, FAILURE_HANDLER_SWITCH)
+    setattr(ray_constants, FAILURE_HANDLER_SWITCH, True)
+    try:
+        yield True
+    finally:
+        setattr(ray_constants, FAILURE_HANDLER_SWITCH, previous)
 
 
 @contextlib.contextmanager
@@ -88,3 +123,51 @@ def _ray_version() -> str:
     import ray
 
     return ray.__version__
+
+
+def local_start_settings(start_timeout_s: float) -> dict[str, str]:
+    """Ray's environment variables for a local instance that must start on a busy machine, with
+    our values: Ray's own start-up waits (30 s for the raylet to register, 60 s for a worker,
+    measured too short under a load of 5 on 2 cores) raised to ``start_timeout_s``, and work a
+    one-machine run has no use for switched off: idle workers prestarted for the first driver
+    (each a Python start of 1.5-2 s of CPU), metrics export from every process, and usage-stats
+    collection. C++ settings this Ray does not know are logged and left out."""
+    seconds = str(math.ceil(start_timeout_s))
+    wanted = {
+        "RAY_raylet_start_wait_time_s": seconds,
+        "RAY_worker_register_timeout_seconds": seconds,
+        "RAY_prestart_worker_first_driver": "0",
+        "RAY_enable_metrics_collection": "0",
+    }
+    settings = {name: value for name, value in wanted.items() if _ray_core_knows(name.removeprefix("RAY_"))}
+    for name in wanted.keys() - settings.keys():
+        logger.warning("Ray %s has no %s setting: left at Ray's default", _ray_version(), name)
+    settings["RAY_USAGE_STATS_ENABLED"] = "0"  # Ray's documented switch, read in Python
+    return settings
+
+
+@lru_cache(maxsize=None)
+def _ray_core_knows(setting: str) -> bool:
+    """Whether Ray's core library names ``setting`` (RayConfig's names are strings in it)."""
+    from ray import _raylet
+
+    try:
+        with open(_raylet.__file__, "rb") as library, mmap.mmap(library.fileno(), 0, access=mmap.ACCESS_READ) as image:
+            return image.find(b"\0" + setting.encode() + b"\0") >= 0
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def environment_set(settings: dict[str, str]) -> Iterator[dict[str, str]]:
+    """Each variable of ``settings`` that this process's environment lacks, set while the block
+    runs (the Ray processes started in it inherit them) and removed afterwards; a variable the
+    user set keeps the user's value. Yields {name: value} of the user's own, for the log."""
+    ours = {name: value for name, value in settings.items() if name not in os.environ}
+    users = {name: os.environ[name] for name in settings if name in os.environ}
+    os.environ.update(ours)
+    try:
+        yield users
+    finally:
+        for name in ours:
+            os.environ.pop(name, None)

@@ -115,9 +115,21 @@ def test_without_an_address_a_run_starts_its_own_ray_whatever_an_earlier_one_lef
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+def _session_processes(session: int) -> list[int]:
+    """The processes still in the session ``session`` leads (a driver's Ray processes stay in it)."""
+    alive = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == session and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process.pid)
+        except (OSError, psutil.Error):
+            continue
+    return alive
+
+
 def test_a_sigterm_while_ray_starts_ends_the_run_in_one_line(tmp_path):
     """Ray's own SIGTERM handler is in place during ``ray.init``; it must end the run as any
-    SIGTERM does: exit status 143 and the interrupted line."""
+    SIGTERM does: exit status 143 and the interrupted line, and no Ray process left running."""
     command = [sys.executable, str(REPO_ROOT / "examples" / "run_grpo.py"), *QUIET, f"logger.log_dir={tmp_path}", "logger.run_name=sigterm"]
     process = subprocess.Popen(command, cwd=REPO_ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
     for line in process.stderr:
@@ -129,3 +141,7 @@ def test_a_sigterm_while_ray_starts_ends_the_run_in_one_line(tmp_path):
     process.wait(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, rest[-2000:]
     assert [line for line in rest.splitlines() if line.startswith("interrupted:")], rest[-2000:]
+    deadline = time.monotonic() + 15
+    while _session_processes(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _session_processes(process.pid) == []

@@ -115,3 +115,27 @@ def test_warm_start_tasks_mix_in_the_distractor_at_its_fraction():
     answers = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["token_mask"])]
     assert answers == [tokenizer.encode_answer([2, 1, 3]), tokenizer.encode_answer([1, 2, 3])]
     assert prompts.answered_as(prompt, "reverse") == prompt  # the task's own answer: the prompt's demonstration
+
+
+def _claim(log_dir: str) -> str:
+    from pathlib import Path
+
+    from nemo_rl_mtp.grpo.run import claim_run_name
+
+    return claim_run_name(Path(log_dir), "grpo-20260101-120000")
+
+
+def test_runs_started_in_the_same_second_claim_distinct_run_directories(tmp_path):
+    """Eight processes claim a name at once (two default runs side by side start in one second)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        names = pool.map(_claim, [str(tmp_path)] * 8)
+    assert sorted(names) == sorted(["grpo-20260101-120000", *(f"grpo-20260101-120000-{n}" for n in range(2, 9))])
+    assert all((tmp_path / name).is_dir() for name in names)
+
+
+def test_an_unwritable_log_dir_leaves_the_name_unclaimed_for_the_preflight_to_report(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert _claim(str(blocker / "logs")) == "grpo-20260101-120000"

@@ -1,0 +1,121 @@
+"""Starting Ray on a busy machine: a local start with Ray's start-up settings (a user's own
+variable wins), and a start bounded by ``cluster.start_timeout_s`` or ended by SIGTERM even while
+the main thread is held in C code, in one line, leaving no process the start began."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nemo_rl_mtp.cluster.ray_cluster import init_ray, shutdown_ray
+from nemo_rl_mtp.config.load import load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _descendants() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+@pytest.mark.slow
+def test_a_local_start_sets_rays_start_up_settings_and_a_users_own_variable_wins(monkeypatch, caplog):
+    """The raylet, started by a real ``ray.init``, runs with our settings and the user's value of
+    the variable the user set; the driver's environment is as it was afterwards."""
+    import ray
+
+    assert not ray.is_initialized()
+    monkeypatch.setenv("RAY_worker_register_timeout_seconds", "77")
+    cluster = load_config(overrides=["cluster.start_timeout_s=150"]).cluster
+    try:
+        with caplog.at_level(logging.INFO, logger="nemo_rl_mtp.cluster.ray_cluster"):
+            init_ray(cluster)
+        raylets = [process for process in _descendants() if "raylet" in " ".join(process.cmdline()[:1])]
+        assert len(raylets) == 1, [process.cmdline()[:1] for process in _descendants()]
+        environment = raylets[0].environ()
+        assert environment["RAY_worker_register_timeout_seconds"] == "77"
+        assert environment["RAY_raylet_start_wait_time_s"] == "150"
+        assert environment["RAY_USAGE_STATS_ENABLED"] == "0"
+        assert "RAY_raylet_start_wait_time_s" not in os.environ
+        assert os.environ["RAY_worker_register_timeout_seconds"] == "77"
+        assert "Ray start-up settings: RAY_raylet_start_wait_time_s=150" in caplog.text
+        assert "Ray start-up settings of your own, kept: RAY_worker_register_timeout_seconds=77" in caplog.text
+    finally:
+        shutdown_ray()
+    assert psutil.wait_procs(_descendants(), timeout=30)[1] == []
+
+
+# A start that never returns, holding the main thread in C code where no Python signal handler
+# runs (as Ray's core worker was seen to, for minutes): a second lock of a plain pthread mutex,
+# with the GIL released. Before it, the "start" begins a process of its own, as ray.init does.
+HELD_START = textwrap.dedent(
+    """
+    import ctypes, subprocess, sys
+    from nemo_rl_mtp.cluster.ray_cluster import bounded_start
+    from nemo_rl_mtp.reporting.console import interrupt_once_on_signals
+
+    interrupt_once_on_signals()
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)  # PTHREAD_MUTEX_INITIALIZER: zeros
+    with bounded_start(float(sys.argv[1]), "start"):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        print(child.pid, flush=True)
+        libc.pthread_mutex_lock(mutex)
+        libc.pthread_mutex_lock(mutex)
+    """
+)
+
+
+def _held_start(limit_s: float) -> tuple[subprocess.Popen, int]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", HELD_START, str(limit_s)], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    return process, int(process.stdout.readline())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_start_that_hangs_ends_after_the_limit_in_one_line_leaving_nothing():
+    process, child = _held_start(3)
+    start = time.monotonic()
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1, stderr
+    assert time.monotonic() - start < 20
+    assert stderr.strip().splitlines()[-1].startswith("error: RayStartError: cluster: Ray did not start within 3 s; load average")
+    assert "raise cluster.start_timeout_s (now 3)" in stderr
+    assert _gone(child)
+
+
+def test_a_sigterm_while_the_start_holds_the_main_thread_exits_143_leaving_nothing():
+    process, child = _held_start(300)
+    time.sleep(0.5)  # in the held lock
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    assert time.monotonic() - start < 20
+    assert stderr.strip().splitlines()[-1].startswith("interrupted: the run had not started"), stderr
+    assert _gone(child)
+
+
+def test_a_start_that_raises_stops_what_it_began_and_says_so_in_one_line():
+    from nemo_rl_mtp.cluster.ray_cluster import RayStartError, bounded_start
+
+    with pytest.raises(RayStartError, match=r"Ray failed to start after \d+ s \(Exception: The current node timed out\)"):
+        with bounded_start(60, "start"):
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+            raise Exception("The current node timed out\nduring startup")
+    assert _gone(child.pid)
