@@ -4,7 +4,7 @@ to exit. Every case must exit 2 with one line naming the key; the target is 2 s 
 config path was split into pure checks and release capabilities, the speculation-depth case took
 33-40 s (loading a config imported megatron-core and torch first).
 
-    uv run python benchmarks/config_refusal.py [--repeats 3]
+    uv run python -m benchmarks.config_refusal [--repeats 3]
 """
 
 from __future__ import annotations

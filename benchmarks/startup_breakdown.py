@@ -2,7 +2,7 @@
 default recipe, one GRPO step unless overridden) started as a user starts it, its phases read
 from the driver's own log lines as they arrive, quiet or next to a busy loop on every core.
 
-    uv run python benchmarks/startup_breakdown.py [--busy] [key=value ...]
+    uv run python -m benchmarks.startup_breakdown [--busy] [key=value ...]
 
 Phases: interpreter, imports, config, tokenizer and task (until "starting a local Ray
 instance"); Ray start (until "started a local Ray instance"); the policy workers (placement,
