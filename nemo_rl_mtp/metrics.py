@@ -119,7 +119,7 @@ UPDATE_SUCCESSFUL = "update_successful"
 MTP_GRAD_NORM = in_scope(MTP, "grad_norm")
 MTP_GLOBAL_VALID_TOKENS = in_scope(MTP, "global_valid_tokens")
 
-# An environment's judgement of a batch (``tasks/environment_interface.py``), logged under
+# An environment's judgement of a batch (``tasks/interfaces.py``), logged under
 # ``train/`` and ``val/``.
 REWARD = "reward"
 ACCURACY = "accuracy"

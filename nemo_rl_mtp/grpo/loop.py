@@ -29,7 +29,7 @@ from nemo_rl_mtp.reporting.logger import Logger, read_metrics
 from nemo_rl_mtp.rollout.speculation import speculation_metrics
 from nemo_rl_mtp.tasks import setup_task
 from nemo_rl_mtp.tasks.demonstrations import prompt_demonstrations
-from nemo_rl_mtp.tasks.environment_interface import EnvironmentInterface
+from nemo_rl_mtp.tasks.interfaces import EnvironmentInterface
 from nemo_rl_mtp.tasks.interfaces import PromptSource, TaskPrompt
 from nemo_rl_mtp.tasks.tokenizer import load_tokenizer
 from nemo_rl_mtp.training.losses import ClippedPGLossFn, k3_kl, loss_sample_weights

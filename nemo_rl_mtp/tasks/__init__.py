@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # annotations only: the package stays torch-free to import (tasks.config_checks)
-    from nemo_rl_mtp.tasks.environment_interface import EnvironmentInterface
-    from nemo_rl_mtp.tasks.interfaces import PromptSource
+    from nemo_rl_mtp.tasks.interfaces import EnvironmentInterface, PromptSource
 
 
 def _digits(env_cfg, tokenizer) -> EnvironmentInterface:

@@ -17,7 +17,7 @@ import torch
 from nemo_rl_mtp.tasks.demonstrations import warmup_tasks
 from nemo_rl_mtp.tasks.interfaces import PromptSource, TaskPrompt
 from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer
-from nemo_rl_mtp.tasks.environment_interface import EnvironmentInterface, EnvironmentReturn
+from nemo_rl_mtp.tasks.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl_mtp.config.load import ConfigError
 from nemo_rl_mtp.config.schema import EnvConfig
 

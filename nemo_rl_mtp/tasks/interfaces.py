@@ -1,11 +1,26 @@
-"""What GRPO asks of a task's data: prompts to train on (in a seeded, resumable order), a fixed
-set of held-out prompts to validate on, and for each prompt what its judge needs."""
+"""What GRPO asks of a task: its data (:class:`PromptSource`: prompts to train on in a seeded,
+resumable order, a fixed set of held-out prompts to validate on, and for each prompt what its judge
+needs) and its judge (:class:`EnvironmentInterface`, NeMo-RL's shape, single turn: a batch of
+prompts and the policy's responses in, a reward and per-sample metadata for each out; the metrics
+of a judged batch are the environment's to define). GRPO, validation and the summary know nothing
+task-specific.
+
+To add a task: subclass :class:`EnvironmentInterface`, register it in
+``nemo_rl_mtp.tasks.ENVIRONMENTS`` under the ``env.name`` that selects it, and give its settings a
+section of their own under ``env`` in the exemplar config; a dataset of another shape gets a
+:class:`PromptSource`.
+"""
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+from nemo_rl_mtp.metrics import ACCURACY, REWARD
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -54,3 +69,32 @@ class PromptSource(abc.ABC):
     def counters(self) -> dict[str, float]:
         """Running counts worth logging (``data/...``), e.g. prompts skipped for their length."""
         return {}
+
+
+@dataclass
+class EnvironmentReturn:
+    """``rewards`` ``[B]`` (float); ``metadata``: one dict per sample (what the judge saw)."""
+
+    rewards: torch.Tensor
+    metadata: list[dict]
+
+
+class EnvironmentInterface(abc.ABC):
+    @abc.abstractmethod
+    def step(self, prompts: list[TaskPrompt], responses: list[list[int]]) -> EnvironmentReturn:
+        """Judge each response (token ids after its prompt; it may run past its end-of-sequence
+        token) to the prompt with the same index."""
+
+    def demonstration(self, answer) -> Optional[str]:
+        """The text of a correct response to a prompt whose reference answer is ``answer``, for
+        the imitation warm start of prompts from a dataset; None where the task cannot say."""
+        return None
+
+    def close(self) -> None:
+        """Release what the environment holds (processes, files); the run is over."""
+
+    def metrics(self, result: EnvironmentReturn) -> dict[str, float]:
+        """Metrics of a judged batch, unprefixed (GRPO logs them as ``train/...`` and
+        ``val/...``): the mean reward, and ``accuracy``, the share of responses with reward 1."""
+        rewards = result.rewards.float()
+        return {REWARD: rewards.mean().item(), ACCURACY: (rewards == 1.0).float().mean().item()}

@@ -21,7 +21,7 @@ import torch
 
 from nemo_rl_mtp.tasks.interfaces import TaskPrompt
 from nemo_rl_mtp.tasks.tokenizer import TextTokenizer
-from nemo_rl_mtp.tasks.environment_interface import EnvironmentInterface, EnvironmentReturn
+from nemo_rl_mtp.tasks.interfaces import EnvironmentInterface, EnvironmentReturn
 from nemo_rl_mtp.tasks.math_verify_worker import MathVerifyProcess
 from nemo_rl_mtp.metrics import ANSWER_RATE
 
