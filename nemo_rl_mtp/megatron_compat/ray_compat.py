@@ -41,18 +41,8 @@ def uv_hook_disabled() -> Iterator[bool]:
     a notebook) then gets what each start asks for; the switch set for good would leak into later
     starts and into the environment of their subprocesses. Yields False where this Ray has no such
     switch (then it has no hook to switch off either, and workers start from the node's Python)."""
-    from ray._private import ray_constants
-
-    if not hasattr(ray_constants, UV_HOOK_SWITCH):
-        logger.warning("Ray %s has no %s switch: assuming it has no uv run hook", _ray_version(), UV_HOOK_SWITCH)
-        yield False
-        return
-    previous = getattr(ray_constants, UV_HOOK_SWITCH)
-    setattr(ray_constants, UV_HOOK_SWITCH, False)
-    try:
-        yield True
-    finally:
-        setattr(ray_constants, UV_HOOK_SWITCH, previous)
+    with _ray_constant_in_block(UV_HOOK_SWITCH, False, "assuming it has no uv run hook") as found:
+        yield found
 
 
 FAILURE_HANDLER_SWITCH = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
@@ -65,18 +55,27 @@ def driver_failure_signal_handler_off() -> Iterator[bool]:
     a SIGTERM during the start is a crash dump and status 134 that leaves Ray's agents running,
     and the driver's handler never hears of it. Yields False, with a warning, where this Ray has
     no such switch."""
+    consequence = "a SIGTERM while Ray starts may end the driver with a crash dump"
+    with _ray_constant_in_block(FAILURE_HANDLER_SWITCH, True, consequence) as found:
+        yield found
+
+
+@contextlib.contextmanager
+def _ray_constant_in_block(name: str, value: bool, consequence: str) -> Iterator[bool]:
+    """``ray._private.ray_constants.<name>`` set to ``value`` while the block runs, put back after
+    it; yields False, warning with ``consequence``, where this Ray has no such constant."""
     from ray._private import ray_constants
 
-    if not hasattr(ray_constants, FAILURE_HANDLER_SWITCH):
-        logger.warning("Ray %s has no %s switch: a SIGTERM while Ray starts may end the driver with a crash dump", _ray_version(), FAILURE_HANDLER_SWITCH)
+    if not hasattr(ray_constants, name):
+        logger.warning("Ray %s has no %s switch: %s", _ray_version(), name, consequence)
         yield False
         return
-    previous = getattr(ray_constants, FAILURE_HANDLER_SWITCH)
-    setattr(ray_constants, FAILURE_HANDLER_SWITCH, True)
+    previous = getattr(ray_constants, name)
+    setattr(ray_constants, name, value)
     try:
         yield True
     finally:
-        setattr(ray_constants, FAILURE_HANDLER_SWITCH, previous)
+        setattr(ray_constants, name, previous)
 
 
 @contextlib.contextmanager
