@@ -13,13 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from benchmarks.startup_breakdown import busy_cores
 from nemo_rl_mtp.reporting.logger import read_metrics
 
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-from startup_breakdown import busy_cores  # noqa: E402
 
 SHORT = [
     "grpo.max_num_steps=2", "grpo.warmup_imitation_steps=2", "grpo.val_num_prompts=8", "logger.console=false",
