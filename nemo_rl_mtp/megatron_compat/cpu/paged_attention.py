@@ -63,7 +63,15 @@ def paged_attention_over_pairs(
 
 
 def _attend(queries, query_lengths, keys, values, key_lengths, softmax_scale) -> torch.Tensor:
-    """Queries ``[b, sq, h, d]`` over gathered keys and values ``[b, sk, h_kv, d]``."""
+    """Queries ``[b, sq, h, d]`` over gathered keys and values ``[b, sk, h_kv, d]``.
+
+    Positions past a request's keys (the rest of its last block, blocks of id -1) hold whatever the
+    cache's memory held: megatron allocates it with ``torch.empty``, and flash-attn never reads
+    there. The mask gives them no weight, but a NaN or inf among them would still reach the output
+    (``0 * inf``, ``score + -inf``) and turn the row to NaN, then to zeros below. So they are
+    zeroed first: the result depends on the cached tokens only, not on the memory's history."""
+    written = (torch.arange(keys.shape[1], device=key_lengths.device)[None, :] < key_lengths[:, None])[:, :, None, None]
+    keys, values = keys.where(written, 0), values.where(written, 0)
     allowed = _causal_key_mask(query_lengths, key_lengths, queries.shape[1], keys.shape[1])
     attended = F.scaled_dot_product_attention(
         queries.float().transpose(1, 2), keys.float().transpose(1, 2), values.float().transpose(1, 2),

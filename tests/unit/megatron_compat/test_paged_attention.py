@@ -76,7 +76,7 @@ def test_unsupported_options_fail_loudly():
 def test_a_step_reads_only_the_blocks_that_hold_tokens():
     """The block table is as wide as the longest sequence the engine admits. Its columns past the
     longest request's blocks point at a block of NaNs: read, they would poison every output. (The
-    unused ids -1 of shorter requests read the last block, a finite one, as the engine's do.)"""
+    unused ids -1 of shorter requests read some block, masked: see the garbage test below.)"""
     generator = torch.Generator().manual_seed(2)
     key_lengths = [6, 3, 11]
     key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
@@ -107,3 +107,28 @@ def test_keys_and_values_in_one_buffer():
         expected = _dense(queries[request, :count], keys[request], values[request])
         torch.testing.assert_close(out[request, :count], expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(out[request, count:], torch.zeros_like(out[request, count:]))
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")])
+def test_cache_slots_that_hold_no_key_do_not_reach_the_output(garbage):
+    """megatron allocates the cache with ``torch.empty``: the slots past a request's keys (the rest
+    of its last block, the block an unused id -1 reads) hold whatever the memory last held, NaN
+    and inf included. Masked keys there must not turn a row to NaN (then to zeros) in any layout."""
+    generator = torch.Generator().manual_seed(4)
+    key_lengths = [6, 3, 11]
+    key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
+    written = torch.zeros(key_cache.shape[:2], dtype=torch.bool)
+    for request, length in enumerate(key_lengths):
+        for position in range(length):
+            written[block_table[request, position // BLOCK_SIZE], position % BLOCK_SIZE] = True
+    key_cache[~written], value_cache[~written] = garbage, garbage
+    queries = torch.randn(3, 2, HEADS, DIM, generator=generator)
+    seqlens = torch.tensor(key_lengths, dtype=torch.int32)
+    decode = flash_attn_with_kvcache(queries, key_cache, value_cache, cache_seqlens=seqlens, block_table=block_table)
+    pairs = paged_attention_over_pairs(
+        queries, torch.full((3,), 2), torch.stack([key_cache, value_cache]), block_table, seqlens.long(), DIM**-0.5
+    )
+    for request in range(3):
+        expected = _dense(queries[request], keys[request], values[request])
+        torch.testing.assert_close(decode[request], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pairs[request], expected, rtol=1e-5, atol=1e-5)
