@@ -22,8 +22,9 @@ from nemo_rl_mtp.config.load import load_config
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def _descendants() -> list[psutil.Process]:
-    return psutil.Process().children(recursive=True)
+def _descendants(before: frozenset = frozenset()) -> list[psutil.Process]:
+    """This process's children, less those running ``before`` (another test's wandb-core, say)."""
+    return [process for process in psutil.Process().children(recursive=True) if process.pid not in before]
 
 
 @pytest.mark.slow
@@ -33,13 +34,14 @@ def test_a_local_start_sets_rays_start_up_settings_and_a_users_own_variable_wins
     import ray
 
     assert not ray.is_initialized()
+    earlier = frozenset(process.pid for process in _descendants())
     monkeypatch.setenv("RAY_worker_register_timeout_seconds", "77")
     cluster = load_config(overrides=["cluster.start_timeout_s=150"]).cluster
     try:
         with caplog.at_level(logging.INFO, logger="nemo_rl_mtp.cluster.ray_cluster"):
             init_ray(cluster)
-        raylets = [process for process in _descendants() if "raylet" in " ".join(process.cmdline()[:1])]
-        assert len(raylets) == 1, [process.cmdline()[:1] for process in _descendants()]
+        raylets = [process for process in _descendants(earlier) if "raylet" in " ".join(process.cmdline()[:1])]
+        assert len(raylets) == 1, [process.cmdline()[:1] for process in _descendants(earlier)]
         environment = raylets[0].environ()
         assert environment["RAY_worker_register_timeout_seconds"] == "77"
         assert environment["RAY_raylet_start_wait_time_s"] == "150"
@@ -50,7 +52,7 @@ def test_a_local_start_sets_rays_start_up_settings_and_a_users_own_variable_wins
         assert "Ray start-up settings of your own, kept: RAY_worker_register_timeout_seconds=77" in caplog.text
     finally:
         shutdown_ray()
-    assert psutil.wait_procs(_descendants(), timeout=30)[1] == []
+    assert psutil.wait_procs(_descendants(earlier), timeout=30)[1] == []  # what the start began is gone
 
 
 # A start that never returns, holding the main thread in C code where no Python signal handler
