@@ -172,6 +172,7 @@ class Reduction(enum.Enum):
     """How one result of every data-parallel rank becomes one."""
 
     SUM = "sum"  # counts; and rates of ranks that run side by side (tokens/s)
+    SUM_BY_POSITION = "sum by position"  # per-draft-position counts; a rank whose auto chose a smaller k counts 0 past it
     MEAN = "mean"  # a per-rank average of equal shares
     MAX = "max"  # the slowest rank's: ranks step in parallel, the rollout lasts as long as it
     SAME = "same"  # equal on every rank (checked), taken once
@@ -185,8 +186,8 @@ RANK_RESULT_REDUCTIONS: dict[str, Reduction] = {
     LOGPROBS: Reduction.CONCATENATE,
     DECODE_STEPS: Reduction.MAX,
     SPECULATIVE_TOKENS: Reduction.MAX,  # each rank's auto chooses its own
-    DRAFT_PROPOSED_COUNTS: Reduction.SUM,
-    DRAFT_ACCEPTED_COUNTS: Reduction.SUM,
+    DRAFT_PROPOSED_COUNTS: Reduction.SUM_BY_POSITION,
+    DRAFT_ACCEPTED_COUNTS: Reduction.SUM_BY_POSITION,
     EXPECTED_TOKENS_PER_S: Reduction.SUM,
     ENGINE_TOKENS_PER_S: Reduction.SUM,
 }
@@ -211,6 +212,9 @@ def reduce_over_ranks(key: str, reduction: Reduction, parts: list[torch.Tensor],
     (``pad_value`` fills the columns a concatenated [B, S] part lacks)."""
     if reduction is Reduction.CONCATENATE:
         return torch.cat(_right_padded_to_widest(parts, pad_value))
+    if reduction is Reduction.SUM_BY_POSITION:
+        longest = max(part.shape[0] for part in parts)
+        return torch.stack([torch.nn.functional.pad(part, (0, longest - part.shape[0])) for part in parts]).sum(dim=0)
     stacked = torch.stack(parts)
     if reduction is Reduction.SUM:
         return stacked.sum(dim=0)

@@ -71,6 +71,8 @@ def test_an_undeclared_rank_result_is_refused_naming_it():
     "reduction, rank_0, rank_1, expected",
     [
         (Reduction.SUM, torch.tensor([4, 2]), torch.tensor([6, 1]), torch.tensor([10, 3])),
+        (Reduction.SUM_BY_POSITION, torch.tensor([4, 2]), torch.tensor([6]), torch.tensor([10, 2])),
+        (Reduction.SUM_BY_POSITION, torch.tensor([], dtype=torch.int64), torch.tensor([3, 1]), torch.tensor([3, 1])),
         (Reduction.MEAN, torch.tensor([1.0, 4.0]), torch.tensor([3.0, 0.0]), torch.tensor([2.0, 2.0])),
         (Reduction.MAX, torch.tensor(7), torch.tensor(9), torch.tensor(9)),
         (Reduction.SAME, torch.tensor([2, 5]), torch.tensor([2, 5]), torch.tensor([2, 5])),
@@ -95,7 +97,8 @@ def test_same_on_every_rank_refuses_ranks_that_differ():
 
 def test_rollouts_of_two_ranks_merge_as_policy_generate_needs():
     """Per-sample tensors in rank order (tokens padded with the pad id, logprobs with 0), the
-    slowest rank's decode steps and auto's largest choice, counts and tokens/s summed."""
+    slowest rank's decode steps and auto's largest choice, counts and tokens/s summed (the draft
+    counts by position: the ranks' autos chose different k, a failure CI caught in a two-node run)."""
     rank_0 = {
         "tokens": torch.tensor([[11, 12, 13]]),
         "lengths": torch.tensor([3]),
@@ -114,8 +117,8 @@ def test_rollouts_of_two_ranks_merge_as_policy_generate_needs():
         "prompt_lengths": torch.tensor([1]),
         "logprobs": torch.tensor([[0.0, -1.0]]),
         "decode_steps": torch.tensor(1),
-        "draft_proposed": torch.tensor([1, 1]),
-        "draft_accepted": torch.tensor([1, 1]),
+        "draft_proposed": torch.tensor([1]),  # its auto chose k = 1: it drafted one position
+        "draft_accepted": torch.tensor([1]),
         "speculative_tokens": torch.tensor(1),
         "expected_tokens_per_s": torch.tensor(5.0),
         "engine_tokens_per_s": torch.tensor(6.0),
@@ -127,8 +130,8 @@ def test_rollouts_of_two_ranks_merge_as_policy_generate_needs():
         "prompt_lengths": torch.tensor([1, 1]),
         "logprobs": torch.tensor([[0.0, -0.5, -0.25], [0.0, -1.0, 0.0]]),
         "decode_steps": torch.tensor(2),
-        "draft_proposed": torch.tensor([3, 3]),
-        "draft_accepted": torch.tensor([2, 1]),
+        "draft_proposed": torch.tensor([3, 2]),
+        "draft_accepted": torch.tensor([2, 0]),
         "speculative_tokens": torch.tensor(2),
         "expected_tokens_per_s": torch.tensor(15.0),
         "engine_tokens_per_s": torch.tensor(15.0),
