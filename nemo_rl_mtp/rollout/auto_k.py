@@ -1,32 +1,44 @@
 """``policy.generation.num_speculative_tokens: auto``: the number of drafts per step, chosen before
-each rollout from what speculation gains and what it costs on this engine.
+each rollout so that rollouts are never slower than without speculation by more than the error of
+their own measurements.
 
-A decode step at k drafts yields, per request, 1 + sum_{i <= k} rho_i tokens in expectation, rho_i
-being the rate at which draft i is accepted (with every draft before it: megatron's per-position
-count). It costs c_k seconds. The rollout's tokens per second at k are therefore about
-R (1 + sum_{i <= k} rho_i) / c_k, R being the requests a step serves on average, the same for
-every k; auto picks the k that maximises it, 0 included (vLLM's "goodput"; SGLang picks per batch
-size among candidates the same way), but speculates only where that is expected to beat k = 0
-by ``MIN_GAIN``: a gain smaller than the error of the estimates is not worth the risk of a loss.
+The rule is a bandit over k = 0 .. max_k whose reward is the rollout's realised tokens per second
+(tokens generated / the clock's seconds for the rollout), kept per batch size (rounded to a power
+of two) and per greedy/sampled (they accept differently):
 
-- rho_i: the rate measured in the latest rollout that proposed draft i, as long as no training
-  step came after it; else the trainer's forecast (the per-depth overlap of policy and head that
-  training measures, ``mtp_{d}_expected_acceptance``; rho_i = prod_{d <= i} of them); else the
-  latest measurement, however old; else the profile's.
-- c_k: per batch size (rounded to a power of two), first a profile before the first rollout of
-  that size: every candidate k runs the rollout's own prompts for a few decode steps, twice, in
-  opposite orders, and keeps its fastest step (load from elsewhere on the machine only ever adds
-  time). Each rollout then measures its own k's step time (prefill included: per step of the
-  rollout, that is what its tokens/s divides by). A k measured in one of the last
-  ``MEASUREMENT_LIFETIME`` rollouts of this batch size is estimated by that measurement; the
-  others from the latest measurement through the profile's ratios. The profile's short
-  sequences understate what attention over long ones costs, and how much fewer steps save there,
-  so a candidate expected within ``EXPLORE_WITHIN`` of the best, and not measured lately, is run
-  once to measure it.
+- **Prior.** Before the first rollout of a batch size every candidate k runs the rollout's own
+  prompts for a few decode steps, twice, in opposite orders, and keeps its fastest step c_k. A
+  step at k yields 1 + sum_{i <= k} rho_i tokens per request (rho_i: draft i accepted, with every
+  draft before it), so the prior expects R (1 + sum rho_i) / c_k tokens/s, R the requests a step
+  serves. rho_i is the latest rollout's measurement while no training step came after it, else
+  the trainer's forecast (``mtp_{d}_expected_acceptance``, chained), else the latest measurement.
+- **Estimates.** A k measured in this context is estimated by the median of its last
+  ``WINDOW`` realised tokens/s, each scaled by how the acceptance expected for k moved since
+  (1 + sum rho_i now, over what it was when that rollout was chosen: the heads train between
+  rollouts; costs per step are taken as they were measured). A k not measured yet is estimated
+  by its prior in proportion to the latest measured k's (the profile's short sequences set the
+  ratios, the rollouts the scale).
+- **Choice.** The first rollout takes the prior's best, and speculates only where that beats
+  k = 0 by ``MIN_GAIN``. After it, every k whose prior is within ``FIRST_LOOK_WITHIN`` of the best
+  is run once, k = 0 first (the profile can be wrong by tens of percent: in the default recipe it
+  chose k = 1 where k = 0 was 1.2x faster; k = 0 is always looked at: it is what auto must
+  never lose to); then the best estimate is run, the incumbent kept
+  unless another beats it by ``HYSTERESIS``. A k whose estimate is within ``REFRESH_WITHIN`` of
+  the incumbent's and was last measured ``REFRESH_EVERY`` or more rollouts ago is run once to
+  refresh it (the longest unmeasured first); farther ones are left alone until the acceptance
+  they are scaled by brings them within it.
 
-The choice and the numbers behind it (expected tokens/s; afterwards the realised) are returned
-with the rollout and logged as ``rollout/num_speculative_tokens``, ``rollout/expected_tokens_per_s``
-and ``rollout/engine_tokens_per_s``.
+**The bound.** After the first looks, a rollout runs either the best estimate (or an incumbent
+within ``HYSTERESIS`` of it) or a refresh of a k estimated within ``REFRESH_WITHIN`` of it, each
+k at most once per ``REFRESH_EVERY`` rollouts. So over a run, tokens/s is at least
+(1 - HYSTERESIS) (1 - max_k REFRESH_WITHIN / REFRESH_EVERY) of the best k's, less the error
+of the estimates themselves (one rollout's tokens/s against its repeat; the median of
+``WINDOW`` damps it): 0.99 x 0.99 = 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The
+first looks cost each plausible k one rollout per context, once per run.
+
+The choice and the numbers behind it (the estimate it was chosen on; afterwards the realised
+tokens/s) are returned with the rollout and logged as ``rollout/num_speculative_tokens``,
+``rollout/expected_tokens_per_s`` and ``rollout/engine_tokens_per_s``.
 
 Times are wall-clock on a GPU (where the device's work is what a step waits for) and the process's
 CPU time without one: on a CPU the engine's work is the process's own, and other jobs on a shared
@@ -35,9 +47,11 @@ machine would otherwise add their load to whichever k happened to be measured wh
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
+import statistics
 import time
 
 import torch
@@ -59,20 +73,53 @@ from nemo_rl_mtp.metrics import (
 PROFILE_DECODE_STEPS = 6
 # A measured acceptance needs at least this many proposals to be trusted.
 MIN_PROPOSALS = 8
-# Speculation is chosen only where it is expected to beat k = 0 by this factor.
+# The first rollout speculates only where the prior expects it to beat k = 0 by this factor.
 MIN_GAIN = 1.03
-# A candidate not measured lately and expected within this factor of the best is run to measure it.
-EXPLORE_WITHIN = 1.10
-# Rollouts of a batch size after which a step-time measurement is no longer used as such.
-MEASUREMENT_LIFETIME = 10
+# After the first rollout, every k whose prior is at least this fraction of the best is run once.
+FIRST_LOOK_WITHIN = 0.7
+# The incumbent k is kept unless another is estimated faster by more than this fraction.
+HYSTERESIS = 0.01
+# A k estimated at least (1 - REFRESH_WITHIN) of the incumbent is re-measured every REFRESH_EVERY
+# rollouts of its context.
+REFRESH_WITHIN = 0.10
+REFRESH_EVERY = 10
+# Realised tokens/s of a k: the median of its latest WINDOW rollouts.
+WINDOW = 3
 
 
 @dataclasses.dataclass
 class Choice:
-    """The drafts per step for the next rollout and the tokens/s expected from them."""
+    """The drafts per step for the next rollout, the tokens/s expected from them, and the
+    tokens per request-step expected for them when chosen (what later estimates scale from)."""
 
     num_speculative_tokens: int
     expected_tokens_per_s: float
+    expected_tokens_per_request_step: float = 1.0
+
+
+@dataclasses.dataclass
+class Observation:
+    """One rollout at some k: its number within its context, its realised tokens/s, and the tokens
+    per request-step the acceptance then current expected for k."""
+
+    number: int
+    tokens_per_s: float
+    expected_tokens_per_request_step: float
+
+
+@dataclasses.dataclass
+class ContextState:
+    """What auto has measured for one (batch size bucket, greedy) context."""
+
+    rollouts: int = 0
+    incumbent: int = 0  # the k chosen on its estimate (set by the first rollout)
+    observations: dict[int, collections.deque] = dataclasses.field(default_factory=dict)
+    requests_per_step: float | None = None
+    first_looks: list[int] | None = None  # the k still to run once after the first rollout
+
+    def since_measured(self, k: int) -> float:
+        """Rollouts of this context since k's latest (infinite if k never ran here)."""
+        return self.rollouts - self.observations[k][-1].number if k in self.observations else math.inf
 
 
 def batch_bucket(num_requests: int) -> int:
@@ -91,8 +138,7 @@ def acceptance_rates(proposed: torch.Tensor, accepted: torch.Tensor) -> dict[int
 
 class AdaptiveSpeculation:
     """What auto knows and how it chooses (module docstring). ``max_k``: the most drafts the
-    model allows; ``greedy`` and sampled rollouts keep separate acceptance (they accept
-    differently)."""
+    model allows."""
 
     def __init__(self, max_k: int):
         self.max_k = max_k
@@ -100,11 +146,7 @@ class AdaptiveSpeculation:
         self.measured_since_training: dict[bool, set[int]] = {False: set(), True: set()}
         self.forecast: list[float] | None = None
         self.profiled: dict[int, dict[int, float]] = {}
-        # bucket -> k -> (seconds per step, rollout number) of its latest rollout at k
-        self.step_seconds: dict[int, dict[int, tuple[float, int]]] = {}
-        self.rollouts: dict[int, int] = {}  # bucket -> rollouts measured
-        self.latest: dict[int, int] = {}  # bucket -> k of the latest rollout
-        self.requests_per_step: dict[int, float] = {}
+        self.contexts: dict[tuple[int, bool], ContextState] = {}
 
     @property
     def candidates(self) -> range:
@@ -140,42 +182,73 @@ class AdaptiveSpeculation:
                 rates.append(measured.get(position, 0.0))
         return rates
 
-    def recent_measurements(self, bucket: int) -> dict[int, float]:
-        """Seconds per step of the k measured in the last ``MEASUREMENT_LIFETIME`` rollouts."""
-        oldest = self.rollouts.get(bucket, 0) - MEASUREMENT_LIFETIME
-        return {k: seconds for k, (seconds, number) in self.step_seconds.get(bucket, {}).items() if number > oldest}
+    def tokens_per_request_step(self, greedy: bool) -> dict[int, float]:
+        """1 + sum_{i <= k} rho_i for every candidate k."""
+        rates = self.acceptance(greedy)
+        return {k: 1.0 + sum(rates[:k]) for k in self.candidates}
 
-    def seconds_per_step(self, bucket: int) -> dict[int, float]:
-        """c_k for every candidate: its recent measurement, else the profile scaled to the latest
-        measured rollout."""
-        profile = self.profiled[bucket]
-        if bucket not in self.latest:
-            return dict(profile)
-        latest_k = self.latest[bucket]
-        scale = self.step_seconds[bucket][latest_k][0] / profile[latest_k]
-        measured = self.recent_measurements(bucket)
-        return {k: measured.get(k, seconds * scale) for k, seconds in profile.items()}
+    def context(self, bucket: int, greedy: bool) -> ContextState:
+        return self.contexts.setdefault((bucket, greedy), ContextState())
+
+    def prior(self, bucket: int, greedy: bool, num_requests: int) -> dict[int, float]:
+        """The profile's expected tokens/s of every candidate: R (1 + sum rho_i) / c_k."""
+        requests = self.context(bucket, greedy).requests_per_step or float(num_requests)
+        tokens = self.tokens_per_request_step(greedy)
+        return {k: requests * tokens[k] / self.profiled[bucket][k] for k in self.candidates}
+
+    def estimates(self, bucket: int, greedy: bool, num_requests: int) -> dict[int, float]:
+        """Tokens/s of every candidate: measured ones from their realised rollouts scaled by the
+        acceptance's move since, the others from the prior scaled to the latest measured k."""
+        state, tokens = self.context(bucket, greedy), self.tokens_per_request_step(greedy)
+        measured = {
+            k: statistics.median(obs.tokens_per_s * tokens[k] / obs.expected_tokens_per_request_step for obs in observations)
+            for k, observations in state.observations.items()
+        }
+        prior = self.prior(bucket, greedy, num_requests)
+        if not measured:
+            return prior
+        latest = min(measured, key=state.since_measured)
+        scale = measured[latest] / prior[latest]
+        return {k: measured[k] if k in measured else prior[k] * scale for k in self.candidates}
 
     def choose(self, bucket: int, greedy: bool, num_requests: int) -> Choice:
-        rates = self.acceptance(greedy)
-        costs = self.seconds_per_step(bucket)
-        requests = self.requests_per_step.get(bucket, float(num_requests))
-        expected = {k: requests * (1.0 + sum(rates[:k])) / costs[k] for k in self.candidates}
-        best = max(self.candidates, key=lambda k: (expected[k], -k))
-        if expected[best] < MIN_GAIN * expected[0]:
-            best = 0
-        if bucket in self.latest:  # after the first rollout: measure a close runner-up once
-            measured = self.recent_measurements(bucket)
-            close = [k for k in self.candidates if k not in measured and expected[k] * EXPLORE_WITHIN >= expected[best]]
-            if close:
-                best = max(close, key=lambda k: expected[k])
-        return Choice(best, expected[best])
+        """The k for the next rollout of this context (module docstring)."""
+        state = self.context(bucket, greedy)
+        expected = self.estimates(bucket, greedy, num_requests)
+        k = self._first_choice(expected) if state.rollouts == 0 else self._next_choice(state, expected)
+        return Choice(k, expected[k], self.tokens_per_request_step(greedy)[k])
 
-    def record_rollout(self, bucket: int, greedy: bool, k: int, seconds: float, steps: int, tokens: int, counts: dict) -> None:
-        """A finished rollout at k: its step time, its requests per step, its acceptance."""
-        self.rollouts[bucket] = self.rollouts.get(bucket, 0) + 1
-        self.step_seconds.setdefault(bucket, {})[k] = (seconds / max(steps, 1), self.rollouts[bucket])
-        self.latest[bucket] = k
+    def _first_choice(self, expected: dict[int, float]) -> int:
+        best = max(self.candidates, key=lambda k: (expected[k], -k))
+        return best if expected[best] >= MIN_GAIN * expected[0] else 0
+
+    def _next_choice(self, state: ContextState, expected: dict[int, float]) -> int:
+        if state.first_looks:
+            return state.first_looks[0]
+        best = max(self.candidates, key=lambda k: (expected[k], -k))
+        if expected[state.incumbent] * (1.0 + HYSTERESIS) >= expected[best]:
+            best = state.incumbent
+        state.incumbent = best
+        due = [
+            k for k in self.candidates
+            if k != best and expected[k] >= (1.0 - REFRESH_WITHIN) * expected[best] and state.since_measured(k) + 1 >= REFRESH_EVERY
+        ]  # fmt: skip
+        return max(due, key=state.since_measured) if due else best
+
+    def record_rollout(self, bucket: int, greedy: bool, choice: Choice, seconds: float, steps: int, tokens: int, counts: dict) -> None:
+        """A finished rollout: its realised tokens/s, its requests per step, its acceptance; after
+        the context's first, the k to run once each (k = 0 first and always, then the others the
+        prior finds plausible, best first)."""
+        state, k = self.context(bucket, greedy), choice.num_speculative_tokens
+        if state.first_looks is None:
+            prior = self.prior(bucket, greedy, 1)
+            plausible = [j for j in self.candidates if j != k and (j == 0 or prior[j] >= FIRST_LOOK_WITHIN * max(prior.values()))]
+            state.first_looks, state.incumbent = sorted(plausible, key=lambda j: (j != 0, -prior[j])), k
+        elif state.first_looks and state.first_looks[0] == k:
+            state.first_looks.pop(0)
+        state.rollouts += 1
+        observation = Observation(state.rollouts, tokens / max(seconds, 1e-9), choice.expected_tokens_per_request_step)
+        state.observations.setdefault(k, collections.deque(maxlen=WINDOW)).append(observation)
         rates = acceptance_rates(counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS])
         self.measured[greedy].update(rates)
         self.measured_since_training[greedy] |= set(rates)
@@ -183,7 +256,7 @@ class AdaptiveSpeculation:
         proposed, accepted = counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS]
         if k and proposed.numel() and int(proposed[0]):
             tokens_per_request_step += float(accepted.sum()) / float(proposed[0])
-        self.requests_per_step[bucket] = tokens / (max(steps, 1) * tokens_per_request_step)
+        state.requests_per_step = tokens / (max(steps, 1) * tokens_per_request_step)
 
 
 AUTO = "auto"
@@ -280,7 +353,7 @@ def record(tuner: AdaptiveSpeculation, choice: Choice, rollouts: dict[str, torch
     tokens = int((rollouts[LENGTHS] - rollouts[PROMPT_LENGTHS]).sum())
     counts = {DRAFT_PROPOSED_COUNTS: rollouts[DRAFT_PROPOSED_COUNTS], DRAFT_ACCEPTED_COUNTS: rollouts[DRAFT_ACCEPTED_COUNTS]}
     bucket = batch_bucket(rollouts[LENGTHS].numel())
-    tuner.record_rollout(bucket, greedy, choice.num_speculative_tokens, seconds, int(rollouts[DECODE_STEPS]), tokens, counts)
+    tuner.record_rollout(bucket, greedy, choice, seconds, int(rollouts[DECODE_STEPS]), tokens, counts)
     return {
         SPECULATIVE_TOKENS: torch.tensor(choice.num_speculative_tokens),
         EXPECTED_TOKENS_PER_S: torch.tensor(choice.expected_tokens_per_s),
