@@ -10,7 +10,7 @@ Before the sweep, k = 0 with the random policy and its end-of-sequence token: th
 under every budget.
 
     uv run python -m benchmarks.rollout_throughput [--new-tokens 128 512 2048] [--batches 8 32 128]
-        [--repeats 3] [--figure benchmarks/rollout_throughput.png] [key=value overrides]
+        [--repeats 3] [--figure benchmarks/rollout_throughput.png] [--beside-load] [key=value overrides]
 
 Prints markdown: tokens/s against k = 0 per cell; where a decode step's time goes (trunk forward,
 drafts, verification, bookkeeping; attention over the KV caches shown apart); k = 0's tokens/s
@@ -20,6 +20,9 @@ its median; auto first runs mtp_layers + 1 rollouts untimed (its profile of step
 measurement of close candidates, done once per batch size in a training run). ``--clock cpu`` times with the process's CPU time instead of the wall
 clock (the breakdown too; both clocks' ratios are printed): on a machine shared with other jobs
 their load lands on whichever variant runs while they do, and the CPU time leaves it out.
+``--beside-load`` runs a second CPU-bound process beside the whole benchmark (a one-thread
+matmul loop), as another job on a shared machine would; the output says so. The line after the
+first table gives auto's worst cell against k = 0 and against the best fixed k.
 """
 
 from __future__ import annotations
@@ -266,6 +269,18 @@ def throughput_table(cells: list[dict], args) -> str:
     return "\n".join(lines)
 
 
+def auto_summary(cells: list[dict], args) -> str:
+    """The issue's goals in one line: auto's worst ratio against k = 0 and against the best fixed k."""
+    names = ["k=0", *[f"k={k}" for k in range(1, args.mtp_layers + 1)]]
+    against_k0, against_best = [], []
+    for cell in cells:
+        variants = {variant.name: variant for variant in cell["variants"]}
+        against_k0.append(variants["auto"].rate / variants["k=0"].rate)
+        against_best.append(variants["auto"].rate / max(variants[name].rate for name in names))
+    return (f"\nauto, worst cell: {min(against_k0):.2f}x k = 0, {min(against_best):.2f}x the best fixed k "
+            f"(goal: both >= 0.97); median cell: {statistics.median(against_k0):.2f}x, {statistics.median(against_best):.2f}x")
+
+
 BREAKDOWN_COLUMNS = ["trunk", "trunk attention", "drafts", "draft attention", "verification", "bookkeeping", "engine bookkeeping"]
 
 
@@ -367,9 +382,32 @@ def main() -> None:
     parser.add_argument("--train-batch", type=int, default=64)
     parser.add_argument("--figure", type=Path, default=REPO_ROOT / "benchmarks" / "rollout_throughput.png")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="what the tables time with")
+    parser.add_argument("--beside-load", action="store_true", help="run a second CPU-bound process (a one-thread matmul loop) beside the benchmark")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
     CLOCK_NAME[0] = args.clock
+    with beside_load() if args.beside_load else contextlib.nullcontext():
+        run_benchmark(args)
+
+
+@contextlib.contextmanager
+def beside_load():
+    """A second CPU-bound process for the whole benchmark: a 512 x 512 float32 matmul loop on one
+    thread, as another job sharing the machine would be; ended afterwards."""
+    import subprocess
+    import sys
+
+    loop = "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True:\n    a = torch.tanh(a @ a)"
+    process = subprocess.Popen([sys.executable, "-c", loop])
+    print(f"a second CPU-bound process runs beside the benchmark (pid {process.pid}: a one-thread 512x512 matmul loop)", flush=True)
+    try:
+        yield
+    finally:
+        process.kill()
+        process.wait()
+
+
+def run_benchmark(args) -> None:
 
     base = config(args, 0, max(args.new_tokens + [args.train_length]), args.train_batch)
     initialize_model_parallel(base.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{free_port()}")
@@ -396,6 +434,7 @@ def main() -> None:
     trained = [cell for cell in cells if cell["heads"] == "trained"]
     print("\n## Tokens/s against k = 0\n")
     print(throughput_table(cells, args))
+    print(auto_summary(cells, args))
     print("\n## Where a step goes (ms per engine step)\n")
     print(breakdown_table(cells, args))
     print("\n## k = 0 with the same responses under growing budgets (random policy; tokens/s, vs the smallest budget)\n")
