@@ -15,8 +15,9 @@ request (rho_i: draft i accepted with every draft before it). Its time is modell
   length per attention layer (multi-latent attention's compressed latent where the model uses
   it), a Mamba layer's state per request (read once, written once per verified token so a
   rejection can roll back), the logits over the vocabulary; FLOPs are 2 per weight per token plus
-  attention over the context. With tensor parallelism both split over the GPUs and each layer
-  adds an all-reduce of its output.
+  attention over the context. With tensor parallelism both split over the GPUs (the KV cache
+  only as far as its key-value heads go: an MLA latent is whole on every GPU) and each layer adds
+  an all-reduce of its output.
 - ``launch_s``: the host's time issuing the step's kernels (``HostOverheads``): without CUDA graphs
   (this project's engine: ``cuda_graph_modules=[]``) it is tens of microseconds per kernel of
   Python and dispatch, a few hundred per layer, and it overlaps the device's work (launches are
@@ -264,6 +265,14 @@ class ModelShape:
             return 2 * self.num_attention_heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
         return 4 * self.num_attention_heads * self.head_dim
 
+    def kv_shards(self, tensor_parallel_size: int) -> int:
+        """Over how many of the tensor-parallel GPUs the KV cache splits: its key-value heads
+        split, a head is not; multi-latent attention's latent is one head that every GPU's query
+        heads read, so each GPU holds all of it (an engine with data-parallel attention splits
+        requests instead, which this model does not describe)."""
+        heads = 1 if self.mla is not None else self.num_query_groups
+        return max(1, min(tensor_parallel_size, heads))
+
     def mamba_state_bytes_per_request(self) -> float:
         """One request's state in one Mamba layer: the SSM state (d_inner x state_dim) and the
         convolution's window (conv_dim x conv_kernel)."""
@@ -297,8 +306,10 @@ class ModelShape:
 def fits_in_memory(model: ModelShape, gpu: GPUSpec, batch_size: int, context_length: int, tensor_parallel_size: int = 1) -> bool:
     """Whether the trunk's weights and ``batch_size`` requests' caches at ``context_length``
     tokens fit in the GPUs' memory (90% of it: activations and the allocator need the rest)."""
-    needed = model.weight_bytes() + batch_size * model.kv_cache_bytes_per_request(context_length)
-    return needed / tensor_parallel_size <= 0.9 * gpu.memory_bytes
+    attention_layers = model.decoder_layers.count(ATTENTION)
+    kv = batch_size * attention_layers * context_length * model.kv_bytes_per_token_per_layer() / model.kv_shards(tensor_parallel_size)
+    rest = model.weight_bytes() + batch_size * (model.kv_cache_bytes_per_request(context_length) - attention_layers * context_length * model.kv_bytes_per_token_per_layer())
+    return kv + rest / tensor_parallel_size <= 0.9 * gpu.memory_bytes
 
 
 def expected_experts_touched(num_experts: int, topk: int, num_tokens: int) -> float:
@@ -363,7 +374,7 @@ def _sublayer(
         kv_read = num_requests * context_length * model.kv_bytes_per_token_per_layer()
         kv_write = tokens * model.kv_bytes_per_token_per_layer()
         flops = tokens * context_length * model.attention_flops_per_query_per_context_token()
-        cost.add("kv_cache", (kv_read + kv_write) / parallel, flops / parallel, gpu)
+        cost.add("kv_cache", (kv_read + kv_write) / model.kv_shards(parallel), flops / parallel, gpu)
     if symbol == MAMBA:
         m = model.mamba
         state = model.mamba_state_bytes_per_request()

@@ -278,3 +278,15 @@ def test_refuses_what_it_does_not_model():
         model_shape_from_megatron_config(types.SimpleNamespace(hidden_size=8, num_attention_heads=2, hybrid_layer_pattern="*G"), 16)
     with pytest.raises(ValueError):
         step_cost(TINY, H100_SXM, 0, 10, 1)
+
+
+def test_tensor_parallelism_splits_the_kv_cache_only_by_its_heads():
+    """8 key-value groups split over 2 or 8 GPUs but not 16; an MLA latent (one head) stays whole
+    on each GPU, so at TP2 a GPU reads all of it while the weights halve."""
+    dense = _dense()
+    assert [dense.kv_shards(parallel) for parallel in (1, 2, 8, 16)] == [1, 2, 8, 8]
+    mla = dataclasses.replace(dense, mla=MLAShape(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+    assert mla.kv_shards(8) == 1
+    one = step_cost(mla, BYTES_ONLY, 4, 1000, 0, NO_OVERHEADS).bytes_by_part
+    two = step_cost(mla, BYTES_ONLY, 4, 1000, 0, NO_OVERHEADS, tensor_parallel_size=2).bytes_by_part
+    assert two["kv_cache"] == one["kv_cache"] and two["weights"] == pytest.approx(one["weights"] / 2)
