@@ -157,6 +157,36 @@ def as_shipped_table(overheads: HostOverheads) -> list[str]:
     return lines
 
 
+def operating_points() -> list[str]:
+    """Each recipe where it runs: requests per engine = prompts x generations per step over the
+    data-parallel engines (GPUs / TP), context half the recipe's longest sequence (the mean over a
+    rollout that fills it), the recipe's own vocabulary (MiMo's; the digits tokenizer's 14 ids)."""
+    lines = [
+        "Each recipe at its own operating point, H200 (k=2, 3 beyond mtp_num_layers for MiMo and DeepSeek-V3-style: what a repeated application would cost)",
+        "| recipe | requests per engine | context | vocabulary | eager c_k/c_0, k=1/2/3 | eager tokens/s vs k=0 | graphs c_k/c_0 | graphs tokens/s vs k=0 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    files = {
+        "MiMo-7B-RL": "grpo_math_mimo_7b_rl_gpu.yaml",
+        "deepseek_v3_style": "grpo_mtp_deepseek_v3_style_gpu.yaml",
+        "nemotron3_super_style": "grpo_mtp_nemotron3_super_style_gpu.yaml",
+        "nemotron3_super_style_hybrid": "grpo_mtp_nemotron3_super_style_hybrid_gpu.yaml",
+    }
+    for model, parallel, rates in [(MIMO_7B, 2, MIMO_ACCEPTANCE), *recipes(14)[1:]]:
+        cfg = load_config(RECIPES / files[model.name])
+        gpus = cfg.cluster.num_nodes * cfg.cluster.workers_per_node * cfg.cluster.gpus_per_worker
+        batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // (gpus // parallel)
+        context = cfg.policy.max_total_sequence_length // 2
+        cells = []
+        for overheads in (EAGER_MEGATRON, CUDA_GRAPHS):
+            costs = relative_step_costs(model, H200_SXM, batch, context, MAX_K, overheads, parallel)
+            gains = expected_speedups(costs, rates)
+            cells.append(" / ".join(f"{costs[k]:.2f}" for k in range(1, MAX_K + 1)))
+            cells.append(" / ".join(f"{gains[k]:.2f}" for k in range(1, MAX_K + 1)))
+        lines.append(f"| {model.name} (TP{parallel}) | {batch} | {context} | {model.vocab_size:,} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def bound(cost) -> str:
     """What limits a step: the host's launches, memory or compute (the larger device term)."""
     if cost.launch_s >= cost.device_s:
@@ -258,7 +288,7 @@ def main() -> None:
             f"used at {gpu.bandwidth_efficiency:.0%} / {gpu.flops_efficiency:.0%}"
         )
     other = CUDA_GRAPHS if overheads is EAGER_MEGATRON else EAGER_MEGATRON
-    tables = [*recipe_table(overheads), "", *recipe_table(other), "", *as_shipped_table(overheads), "", *published_rows()]
+    tables = [*operating_points(), "", *recipe_table(overheads), "", *recipe_table(other), "", *as_shipped_table(overheads), "", *published_rows()]
     print("\n".join(["", *tables]))
 
 
