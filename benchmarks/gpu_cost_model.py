@@ -206,7 +206,7 @@ def solve_per_depth_acceptance(tokens_per_step: float, k: int) -> float:
     """The per-depth acceptance a (the same at every depth) with 1 + a + a^2 + .. + a^k equal to
     ``tokens_per_step`` (bisection; 1.0 where even a = 1 falls short)."""
     low, high = 0.0, 1.0
-    if sum(1.0 for _ in range(k + 1)) <= tokens_per_step:
+    if k + 1 <= tokens_per_step:
         return 1.0
     for _ in range(60):
         middle = (low + high) / 2

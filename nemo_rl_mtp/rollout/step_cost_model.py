@@ -39,7 +39,6 @@ Pure Python: no torch or megatron import. Units are in the names (``_s`` seconds
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Iterable, Mapping, Optional
 
 # Symbols of a layer, as megatron's hybrid_layer_pattern spells them.
@@ -84,6 +83,18 @@ H200_SXM = GPUSpec("H200 SXM", peak_bandwidth_bytes_per_s=4.8e12, peak_flops_per
 GPUS = {gpu.name: gpu for gpu in (H100_SXM, H200_SXM)}
 
 
+def gpu_spec_from_device_name(device_name: str) -> Optional[GPUSpec]:
+    """The spec for a CUDA device's name as ``torch.cuda.get_device_name()`` gives it ("NVIDIA
+    H100 80GB HBM3", "NVIDIA H200"); None for a GPU this module has no figures for (then only
+    measurements can tell the cost). An H100 PCIe or NVL is not the SXM part: None too."""
+    name = device_name.upper()
+    if "H200" in name:
+        return H200_SXM
+    if "H100" in name and "PCIE" not in name and "NVL" not in name:
+        return H100_SXM
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class HostOverheads:
     """What the host spends per step, in seconds (module docstring: launches overlap the device,
@@ -91,7 +102,7 @@ class HostOverheads:
 
     ``launch_s_per_layer``: issuing one layer's kernels, per layer symbol (attention, MLP,
     mixture of experts, Mamba); ``launch_s_per_output_layer``: the final norm, output layer and
-    sampling of one pass; ``serial_s_per_step``: the engine's scheduling, bookkeeping and the
+    sampling of one pass (for an MTP pass, its input norms and projection too); ``serial_s_per_step``: the engine's scheduling, bookkeeping and the
     synchronisation that ends a step; ``serial_s_per_draft_round``: one MTP depth's bookkeeping
     (positions, cache slots, the drafted token handed on); ``serial_s_per_verification``:
     verifying the drafts and rewinding the KV cache, once per step that drafts.

@@ -29,6 +29,7 @@ from nemo_rl_mtp.rollout.step_cost_model import (
     expected_experts_touched,
     expected_speedups,
     fits_in_memory,
+    gpu_spec_from_device_name,
     model_shape_from_megatron_config,
     relative_step_costs,
     step_cost,
@@ -290,3 +291,10 @@ def test_tensor_parallelism_splits_the_kv_cache_only_by_its_heads():
     one = step_cost(mla, BYTES_ONLY, 4, 1000, 0, NO_OVERHEADS).bytes_by_part
     two = step_cost(mla, BYTES_ONLY, 4, 1000, 0, NO_OVERHEADS, tensor_parallel_size=2).bytes_by_part
     assert two["kv_cache"] == one["kv_cache"] and two["weights"] == pytest.approx(one["weights"] / 2)
+
+
+def test_gpu_spec_from_the_device_name():
+    assert gpu_spec_from_device_name("NVIDIA H100 80GB HBM3") is H100_SXM
+    assert gpu_spec_from_device_name("NVIDIA H200") is H200_SXM
+    assert gpu_spec_from_device_name("NVIDIA H100 PCIe") is None
+    assert gpu_spec_from_device_name("NVIDIA A100-SXM4-80GB") is None
