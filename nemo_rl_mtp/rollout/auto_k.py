@@ -7,7 +7,9 @@ The rule is a bandit over k = 0 .. max_k whose reward is the rollout's realised 
 of two) and per greedy/sampled (they accept differently):
 
 - **Prior.** Before the first rollout of a batch size every candidate k runs the rollout's own
-  prompts for a few decode steps, twice, in opposite orders, and keeps its fastest step c_k. A
+  prompts for a few decode steps, twice, in opposite orders, and keeps its fastest step c_k (on
+  an H100 or H200 only k = 0 runs, and c_k / c_0 comes from the decode-step cost model,
+  :mod:`step_cost_model`, at the rollout's batch and mid-rollout context). A
   step at k yields 1 + sum_{i <= k} rho_i tokens per request (rho_i: draft i accepted, with every
   draft before it), so the prior expects R (1 + sum rho_i) / c_k tokens/s, R the requests a step
   serves. rho_i is the latest rollout's measurement while no training step came after it, else
@@ -50,6 +52,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import math
 import statistics
 import time
@@ -68,6 +71,9 @@ from nemo_rl_mtp.metrics import (
     PROMPT_LENGTHS,
     SPECULATIVE_TOKENS,
 )
+from nemo_rl_mtp.rollout import step_cost_model
+
+logger = logging.getLogger(__name__)
 
 # Decode steps each candidate k runs in each of the profile's two passes (after its prefill step).
 PROFILE_DECODE_STEPS = 6
@@ -294,17 +300,48 @@ def choose(rollout_engine, prompts: list[list[int]], params, greedy: bool) -> Ch
 
 
 def profile(rollout_engine, prompts: list[list[int]], params, bucket: int, greedy: bool) -> None:
-    """Every candidate k on the rollout's prompts for a few decode steps, in two passes (k
-    descending, then ascending: the engine is rebuilt once per change), its fastest step kept. The
-    deepest candidate's counts are a first acceptance."""
+    """The measured k on the rollout's prompts for a few decode steps, in two passes (k
+    descending, then ascending: the engine is rebuilt once per change), its fastest step kept.
+    Every candidate is measured, except on a GPU the cost model knows (``gpu_step_cost_ratios``):
+    there k = 0 is, and the others follow the model's ratios (the profile's short sequences would
+    understate what attention over long ones costs). The deepest measured k's counts are a first
+    acceptance."""
     tuner = rollout_engine.adaptive
+    model = rollout_engine.policy.model.module
+    context_length = round(statistics.mean(map(len, prompts)) + rollout_engine.generation_cfg.max_new_tokens / 2)
+    ratios = gpu_step_cost_ratios(model.config, model.vocab_size, _device_name(), len(prompts), context_length, tuner.max_k)
+    measured = [0] if ratios else list(tuner.candidates)
     seconds, counts = {}, None
-    for k in [*reversed(tuner.candidates), *tuner.candidates]:
+    for k in [*reversed(measured), *measured]:
         rollout_engine.use_speculative_tokens(k)
         fastest, step_counts = decode_step_seconds(rollout_engine, prompts, params)
         seconds[k] = min(seconds.get(k, fastest), fastest)
         counts = counts or step_counts
+    if ratios:
+        seconds = {k: seconds[0] * ratio for k, ratio in ratios.items()}
+        logger.info("auto on %s, %d requests at ~%d tokens: step costs from the cost model, c_k/c_0 %s", _device_name(), len(prompts), context_length,
+                    ", ".join(f"{ratio:.2f}" for ratio in ratios.values()))  # fmt: skip
     tuner.record_profile(bucket, agreed_with_model_parallel_peers(seconds), greedy, counts)
+
+
+def gpu_step_cost_ratios(model_config, vocab_size: int, device_name: str | None, batch_size: int, context_length: int, max_k: int) -> dict[int, float] | None:
+    """c_k / c_0 for k = 0 .. ``max_k`` from the decode-step cost model
+    (:mod:`step_cost_model`) for a megatron ``model_config`` with ``vocab_size`` output rows on
+    the CUDA device named ``device_name``; None without a GPU or on one the model has no figures
+    for (then every k is profiled)."""
+    gpu = None if device_name is None else step_cost_model.gpu_spec_from_device_name(device_name)
+    if gpu is None:
+        return None
+    shape = step_cost_model.model_shape_from_megatron_config(model_config, vocab_size)
+    return step_cost_model.relative_step_costs(
+        shape, gpu, batch_size, context_length, max_k, tensor_parallel_size=model_config.tensor_model_parallel_size
+    )
+
+
+def _device_name() -> str | None:
+    from nemo_rl_mtp.megatron_compat.cpu.training_runtime import cuda_available
+
+    return torch.cuda.get_device_name() if cuda_available() else None
 
 
 def step_clock():

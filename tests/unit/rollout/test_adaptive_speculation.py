@@ -236,3 +236,16 @@ def test_auto_on_an_engine_without_speculation_chooses_no_drafts_and_a_number_is
     assert [row[:length].tolist() for row, length in zip(rollouts["tokens"], rollouts["lengths"])] == reference
     with pytest.raises(ConfigError, match=r"^policy.generation.num_speculative_tokens=1: megatron-core 0\.16\.\d+: its DynamicInferenceEngine has no speculative decoding"):
         tiny_config(**engine_overrides(1, 1))
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_on_a_gpu_the_cost_model_knows_its_ratios_replace_the_profile_of_drafting_steps():
+    """The live model's config on an H200 name: k = 0 costs 1 and each draft more (a step verifies
+    more tokens and runs one more MTP pass); a GPU the model has no figures for, or none, profiles
+    every k."""
+    policy, cfg = make_policy(**engine_overrides("auto", 2))
+    model = policy.model.module
+    ratios = adaptive_speculation.gpu_step_cost_ratios(model.config, model.vocab_size, "NVIDIA H200", 32, 512, 2)
+    assert list(ratios) == [0, 1, 2] and ratios[0] == 1.0 and 1.0 < ratios[1] < ratios[2]
+    for device_name in ("NVIDIA A10G", None):
+        assert adaptive_speculation.gpu_step_cost_ratios(model.config, model.vocab_size, device_name, 32, 512, 2) is None
