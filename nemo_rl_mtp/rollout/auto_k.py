@@ -15,9 +15,9 @@ of two) and per greedy/sampled (they accept differently):
   serves. rho_i is the latest rollout's measurement while no training step came after it, else
   the trainer's forecast (``mtp_{d}_expected_acceptance``, chained), else the latest measurement.
 - **Estimates.** A k measured in this context is estimated by the median of its last
-  ``WINDOW`` realised tokens/s, each scaled by how the acceptance expected for k moved since
-  (1 + sum rho_i now, over what it was when that rollout was chosen: the heads train between
-  rollouts; costs per step are taken as they were measured). A k not measured yet is estimated
+  ``WINDOW`` realised tokens/s, each scaled by how its acceptance moved since (1 + sum rho_i now,
+  over the tokens per request-step that rollout realised: the heads train between rollouts;
+  costs per step are taken as they were measured). A k not measured yet is estimated
   by its prior in proportion to the latest measured k's (the profile's short sequences set the
   ratios, the rollouts the scale).
 - **Choice.** The first rollout takes the prior's best, and speculates only where that beats
@@ -95,22 +95,20 @@ WINDOW = 3
 
 @dataclasses.dataclass
 class Choice:
-    """The drafts per step for the next rollout, the tokens/s expected from them, and the
-    tokens per request-step expected for them when chosen (what later estimates scale from)."""
+    """The drafts per step for the next rollout and the tokens/s expected from them."""
 
     num_speculative_tokens: int
     expected_tokens_per_s: float
-    expected_tokens_per_request_step: float = 1.0
 
 
 @dataclasses.dataclass
 class Observation:
-    """One rollout at some k: its number within its context, its realised tokens/s, and the tokens
-    per request-step the acceptance then current expected for k."""
+    """One rollout at some k: its number within its context, its realised tokens/s and tokens per
+    request-step (1 + its accepted drafts per request-step)."""
 
     number: int
     tokens_per_s: float
-    expected_tokens_per_request_step: float
+    tokens_per_request_step: float
 
 
 @dataclasses.dataclass
@@ -207,7 +205,7 @@ class AdaptiveSpeculation:
         acceptance's move since, the others from the prior scaled to the latest measured k."""
         state, tokens = self.context(bucket, greedy), self.tokens_per_request_step(greedy)
         measured = {
-            k: statistics.median(obs.tokens_per_s * tokens[k] / obs.expected_tokens_per_request_step for obs in observations)
+            k: statistics.median(obs.tokens_per_s * tokens[k] / obs.tokens_per_request_step for obs in observations)
             for k, observations in state.observations.items()
         }
         prior = self.prior(bucket, greedy, num_requests)
@@ -222,7 +220,7 @@ class AdaptiveSpeculation:
         state = self.context(bucket, greedy)
         expected = self.estimates(bucket, greedy, num_requests)
         k = self._first_choice(expected) if state.rollouts == 0 else self._next_choice(state, expected)
-        return Choice(k, expected[k], self.tokens_per_request_step(greedy)[k])
+        return Choice(k, expected[k])
 
     def _first_choice(self, expected: dict[int, float]) -> int:
         best = max(self.candidates, key=lambda k: (expected[k], -k))
@@ -252,9 +250,6 @@ class AdaptiveSpeculation:
             state.first_looks, state.incumbent = sorted(plausible, key=lambda j: (j != 0, -prior[j])), k
         elif state.first_looks and state.first_looks[0] == k:
             state.first_looks.pop(0)
-        state.rollouts += 1
-        observation = Observation(state.rollouts, tokens / max(seconds, 1e-9), choice.expected_tokens_per_request_step)
-        state.observations.setdefault(k, collections.deque(maxlen=WINDOW)).append(observation)
         rates = acceptance_rates(counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS])
         self.measured[greedy].update(rates)
         self.measured_since_training[greedy] |= set(rates)
@@ -262,6 +257,9 @@ class AdaptiveSpeculation:
         proposed, accepted = counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS]
         if k and proposed.numel() and int(proposed[0]):
             tokens_per_request_step += float(accepted.sum()) / float(proposed[0])
+        state.rollouts += 1
+        observation = Observation(state.rollouts, tokens / max(seconds, 1e-9), tokens_per_request_step)
+        state.observations.setdefault(k, collections.deque(maxlen=WINDOW)).append(observation)
         state.requests_per_step = tokens / (max(steps, 1) * tokens_per_request_step)
 
 
