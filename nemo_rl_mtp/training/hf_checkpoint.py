@@ -135,6 +135,37 @@ def mtp_count_keys() -> tuple[str, ...]:
     return tuple(hf_key for hf_key, megatron_key in MegatronModelBridge.CONFIG_MAPPING if megatron_key == "mtp_num_layers")
 
 
+# Where the serving engines' MTP drafters zero the MTP layer's token embedding at position 0
+# (vLLM 0.32.0 ``vllm/model_executor/models/``, SGLang ``python/sglang/srt/models/``; docs/serving.md,
+# "Train/serve differences in the MTP input"), by config.json's architectures[0] or model_type.
+_ZEROING_ENGINES = {
+    "MiMoForCausalLM": "vLLM (mimo_mtp.py) and SGLang (mimo_mtp.py) zero the MTP embedding at position 0",
+    "DeepseekV3ForCausalLM": "vLLM (deepseek_mtp.py) zeroes the MTP embedding at position 0 (SGLang's NextN does not)",
+    "Glm4MoeForCausalLM": "vLLM (glm4_moe_mtp.py) zeroes the MTP embedding at position 0 (SGLang's NextN does not)",
+}
+_ZEROING_MODEL_TYPES = {"mimo": "MiMoForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+
+
+def mtp_position_0_zeroing(setting, architecture: Optional[str], model_type: Optional[str]) -> tuple[bool, str]:
+    """``policy.megatron_cfg.mtp_zero_embedding_at_position_0`` resolved for a checkpoint of
+    ``architecture`` (config.json's architectures[0]) and ``model_type`` (None, None: a GPT built
+    from scratch): whether the MTP layers zero their token embedding at position 0, and why."""
+    if setting != "auto":  # true | false (config.checks allows nothing else)
+        return bool(setting), f"set to {str(setting).lower()} in the config"
+    if architecture is None and model_type is None:
+        return False, "auto: a GPT built from scratch, no serving engine's MTP drafter to match"
+    name = architecture if architecture in _ZEROING_ENGINES else _ZEROING_MODEL_TYPES.get(model_type or "")
+    if name is not None:
+        return True, f"auto: {architecture or name} (model_type {model_type}): {_ZEROING_ENGINES[name]}"
+    return False, f"auto: {architecture} (model_type {model_type}): the serving engines' MTP drafters take megatron's input at position 0"
+
+
+def hf_architecture(bridge) -> tuple[Optional[str], Optional[str]]:
+    """config.json's architectures[0] and model_type of the checkpoint ``bridge`` reads."""
+    hf_config = bridge.hf_pretrained.config
+    return (getattr(hf_config, "architectures", None) or [None])[0], getattr(hf_config, "model_type", None)
+
+
 @dataclass
 class ModelArchitecture:
     """What builds an imported GPTModel: the TransformerConfig class and fields of the
