@@ -45,6 +45,8 @@ class CheckpointFacts:
 
     model_name: str
     architecture: str
+    # config.json's model_type (None where it has none).
+    model_type: Optional[str]
     # MTP layers with weights in the checkpoint (0: none).
     mtp_num_layers: int
     max_position_embeddings: int
@@ -91,6 +93,7 @@ def checkpoint_facts(bridge, model_name: str) -> CheckpointFacts:
     return CheckpointFacts(
         model_name=model_name,
         architecture=(getattr(hf_config, "architectures", None) or ["?"])[0],
+        model_type=getattr(hf_config, "model_type", None),
         mtp_num_layers=int(provider.mtp_num_layers or 0),
         max_position_embeddings=int(provider.seq_length),
         multi_latent_attention=bool(getattr(provider, "multi_latent_attention", False)),

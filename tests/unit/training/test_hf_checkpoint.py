@@ -257,3 +257,22 @@ def test_a_qwen3_checkpoint_gets_new_heads_in_megatron_bridges_qwen3_mtp_layout(
     source = reference.state_dict()
     assert all(torch.equal(exported[name], tensor) for name, tensor in source.items())
     assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_norm.weight"} <= exported.keys() - source.keys()
+
+
+def test_the_driver_says_once_which_position_0_convention_the_heads_train_and_why(checkpoints, caplog):
+    """Before any worker starts: a MiMo checkpoint under ``auto`` trains vLLM's and SGLang's
+    convention; a GPT built from scratch does not."""
+    import logging
+
+    from nemo_rl_mtp.grpo.run import resolve_model
+
+    with caplog.at_level(logging.INFO, logger="nemo_rl_mtp.grpo.run"):
+        resolved(checkpoints[1], "policy.trust_remote_code=true")
+        resolve_model(load_checked_config())
+    lines = [record.getMessage() for record in caplog.records if "MTP token embedding at position 0" in record.getMessage()]
+    assert lines == [
+        "MTP token embedding at position 0: zeroed (auto: MiMoForCausalLM (model_type mimo): vLLM (mimo_mtp.py) and SGLang "
+        "(mimo_mtp.py) zero the MTP embedding at position 0)",
+        "MTP token embedding at position 0: megatron's (not zeroed) (auto: a GPT built from scratch, no serving engine's MTP "
+        "drafter to match)",
+    ]
