@@ -116,6 +116,9 @@ def _forward_with_position_0_zeroed(original):
             )
         return output
 
+    # It takes megatron's arguments and passes them on: probes of the block's signature (such as
+    # hybrid_mtp_padding's for padding_mask) read megatron's.
+    forward.__signature__ = signature
     return forward
 
 
