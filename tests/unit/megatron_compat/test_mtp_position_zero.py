@@ -196,3 +196,12 @@ def test_packed_steps_equal_unpacked_ones_with_position_0_zeroed(recompute):
     assert_same_gradients(unpacked_grads, packed_grads, rtol=1e-3, atol=1e-6)
     off_grads = results[False, False][1]
     assert (off_grads["mtp.layers.0.eh_proj.weight"] - unpacked_grads["mtp.layers.0.eh_proj.weight"]).abs().max() > 1e-6
+
+
+def test_the_wrapped_forward_shows_megatrons_signature():
+    """Probes of the block's signature (hybrid_mtp_padding looks for padding_mask) read megatron's
+    arguments through the wrapper, which passes them all on."""
+    make_policy(**{ZEROED: True})
+    wrapped = MultiTokenPredictionBlock.forward
+    assert is_shim(wrapped)
+    assert inspect.signature(wrapped) == inspect.signature(wrapped.original)  # padding_mask included, where it exists
