@@ -144,8 +144,10 @@ def ours_from_engine(config_path: Path, hf_ckpt_path: Path, k: int, timeout_s: i
     from nemo_rl_mtp.reporting.logger import read_metrics
 
     with tempfile.TemporaryDirectory() as logs:
+        recipe = Path(logs) / "config.yaml"
+        recipe.write_text(_without_architecture_keys(config_path))
         command = [
-            sys.executable, str(REPO_ROOT / "examples" / "run_grpo.py"), "--config", str(config_path),
+            sys.executable, str(REPO_ROOT / "examples" / "run_grpo.py"), "--config", str(recipe),
             f"policy.model_name={hf_ckpt_path.resolve()}", "grpo.max_num_steps=0", "grpo.warmup_imitation_steps=0",
             f"policy.generation.num_speculative_tokens={k}", "checkpointing.enabled=false", f"logger.log_dir={logs}",
             "logger.run_name=serve_check", "logger.wandb_enabled=false", "logger.tensorboard_enabled=false",
@@ -158,6 +160,23 @@ def ours_from_engine(config_path: Path, hf_ckpt_path: Path, k: int, timeout_s: i
     rates = [row[f"val/draft_{i}_acceptance_rate"] for i in range(1, k + 1)]
     proposed = [int(row[f"val/draft_{i}_proposed"]) for i in range(1, k + 1)]
     return rates, proposed, "the project's engine on the export (validation only)"
+
+
+def _without_architecture_keys(config_path: Path) -> str:
+    """The run's saved config as a recipe for a run on the export: without the architecture keys,
+    which the driver resolved from the run's checkpoint and the export brings again (a recipe that
+    sets them is refused with policy.model_name)."""
+    from omegaconf import OmegaConf
+
+    from nemo_rl_mtp.config.schema import ARCHITECTURE_KEYS
+
+    saved = OmegaConf.load(config_path)
+    for key in ARCHITECTURE_KEYS:
+        parent, leaf = key.rsplit(".", 1)
+        node = OmegaConf.select(saved, parent)
+        if node is not None and leaf in node:
+            del node[leaf]
+    return OmegaConf.to_yaml(saved)
 
 
 def accuracy(env, held_out, responses: list[list[int]]) -> float:

@@ -53,6 +53,7 @@ class MegatronConfig:
     mtp_use_repeated_layer: bool
     mtp_detach_heads: bool
     mtp_loss_type: str
+    mtp_zero_embedding_at_position_0: Union[bool, str]  # or "auto"
     num_moe_experts: int
     moe_router_topk: int
     moe_ffn_hidden_size: Optional[int]
@@ -219,6 +220,7 @@ CHOICES: dict[str, set] = {
     "data.overlong_prompts": {"skip", "truncate"},
     "grpo.warmup_distractor_task": {None, "reverse", "sort", "count_up"},
     "policy.megatron_cfg.mtp_loss_type": {"cross_entropy", "soft_cross_entropy", "total_variation"},
+    "policy.megatron_cfg.mtp_zero_embedding_at_position_0": {"auto", True, False},
     "logger.wandb.mode": {"auto", "online", "offline"},
     "cluster.gpus_per_worker": {0, 1},
     "cluster.worker_python": {"driver", "uv"},

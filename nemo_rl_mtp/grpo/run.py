@@ -109,9 +109,11 @@ def resolve_model(cfg: MasterConfig) -> MasterConfig:
     """``cfg`` with what an imported checkpoint (``policy.model_name``) decides: its architecture
     keys and MTP layer count; raises ConfigError where the checkpoint cannot be used as configured.
     Opens the checkpoint's config only (megatron-bridge, about 15 s), before any worker starts."""
-    if cfg.policy.model_name is None:
-        return cfg
     from nemo_rl_mtp.training import hf_checkpoint
+
+    if cfg.policy.model_name is None:
+        log_mtp_position_0_convention(cfg, None, None)
+        return cfg
 
     try:
         facts = hf_checkpoint.checkpoint_facts(
@@ -131,7 +133,20 @@ def resolve_model(cfg: MasterConfig) -> MasterConfig:
         "model: %s (%s) through megatron-bridge, %d MTP layer(s)%s", cfg.policy.model_name, facts.architecture,
         resolved.policy.megatron_cfg.mtp_num_layers, " with weights" if facts.mtp_num_layers else " (new)",
     )  # fmt: skip
+    log_mtp_position_0_convention(resolved, facts.architecture, facts.model_type)
     return resolved
+
+
+def log_mtp_position_0_convention(cfg: MasterConfig, architecture: Optional[str], model_type: Optional[str]) -> None:
+    """Say once, on the driver's console, whether the MTP layers will train and draft with their
+    token embedding zeroed at position 0, and why (each worker resolves the same and logs it too)."""
+    from nemo_rl_mtp.training import hf_checkpoint
+
+    megatron_cfg = cfg.policy.megatron_cfg
+    if not megatron_cfg.mtp_num_layers:
+        return
+    zero, reason = hf_checkpoint.mtp_position_0_zeroing(megatron_cfg.mtp_zero_embedding_at_position_0, architecture, model_type)
+    logger.info("MTP token embedding at position 0: %s (%s)", "zeroed" if zero else "megatron's (not zeroed)", reason)
 
 
 def workers_transformer_impl(cfg: MasterConfig) -> Optional[str]:

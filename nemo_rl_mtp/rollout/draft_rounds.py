@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_rl_mtp.megatron_compat import engine_access
+from nemo_rl_mtp.megatron_compat import engine_access, mtp_position_zero
 from nemo_rl_mtp.megatron_compat.controller_hooks import serving_draft_steps
 
 
@@ -73,3 +73,14 @@ def sequence_parallel_multiple(model) -> int:
 def mtp_layer(model, depth: int):
     """The MTP layer that drafts at ``depth`` (one layer for all depths when it is repeated)."""
     return model.mtp.layers[0 if model.mtp.mtp_use_repeated_layer else depth]
+
+
+def draft_embedding(model, trunk_positions: torch.Tensor):
+    """The token embedding a draft's MTP layer takes: the model's, zeroed where the trunk position
+    of the hidden state it is combined with (``trunk_positions`` [b, s], laid out as the layer's
+    token ids) is 0, when the model's MTP layers are trained so (the serving engines' convention,
+    :mod:`megatron_compat.mtp_position_zero`): drafts then compute what training does, and the
+    rollouts' acceptance measures what the engine that serves the export accepts."""
+    if not mtp_position_zero.zeroes_position_0(model):
+        return model.embedding
+    return mtp_position_zero.zeroed_embedding(model.embedding, trunk_positions == 0)

@@ -42,7 +42,7 @@ import logging
 import torch
 
 from nemo_rl_mtp.megatron_compat.controller_hooks import pad_rows
-from nemo_rl_mtp.rollout.draft_rounds import DraftRoundsController, mtp_layer, output_logits, sequence_parallel_multiple
+from nemo_rl_mtp.rollout.draft_rounds import DraftRoundsController, draft_embedding, mtp_layer, output_logits, sequence_parallel_multiple
 from nemo_rl_mtp.megatron_compat.cpu.paged_attention import paged_attention_over_pairs
 
 logger = logging.getLogger(__name__)
@@ -242,8 +242,9 @@ class IncrementalDrafts:
         return state["previous_output"][torch.arange(column.numel(), device=column.device), column]
 
     def _run_layer(self, depth: int, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, layout: dict) -> torch.Tensor:
-        """megatron's MTP layer for ``depth`` over the packed positions [R, W] (hidden [R, W, H]);
-        returns its output [R, W, H]."""
+        """megatron's MTP layer for ``depth`` over the packed positions [R, W] (hidden [R, W, H]),
+        the token embedding zeroed at position 0 where the model's MTP layers zero it (padding
+        sits at position 0 too: its outputs are never read); returns its output [R, W, H]."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 
         model = self.model
@@ -264,7 +265,7 @@ class IncrementalDrafts:
                 hidden_states=packed,
                 next_token_ids=token_ids,
                 position_ids=embedding_positions,
-                embedding=model.embedding,
+                embedding=draft_embedding(model, flat_positions[None, :]),
                 rotary_pos_emb=rotary,
             )
         if model.config.sequence_parallel:

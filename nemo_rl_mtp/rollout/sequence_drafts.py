@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from nemo_rl_mtp.rollout.draft_rounds import DraftRoundsController, mtp_layer, output_logits, sequence_parallel_multiple
+from nemo_rl_mtp.rollout.draft_rounds import DraftRoundsController, draft_embedding, mtp_layer, output_logits, sequence_parallel_multiple
 from nemo_rl_mtp.training.batches import causal_attention_mask, round_up
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,8 @@ class SequenceDrafts:
 
     def _mtp_layer_over_sequences(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, depth: int) -> torch.Tensor:
         """megatron's MTP layer for ``depth`` over the padded sequences, as in training: causal
-        mask, the model's rotary embedding; [L, R, H] in and out."""
+        mask, the model's rotary embedding, the token embedding zeroed at each row's position 0
+        where the model's MTP layers zero it; [L, R, H] in and out."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 
         model, length = self.model, hidden.shape[0]
@@ -128,7 +129,7 @@ class SequenceDrafts:
             hidden_states=hidden,
             next_token_ids=tokens,
             position_ids=positions,
-            embedding=model.embedding,
+            embedding=draft_embedding(model, torch.arange(length, device=tokens.device).expand_as(tokens)),
             attention_mask=causal_attention_mask(length).to(hidden.device),
             rotary_pos_emb=rotary,
         )

@@ -45,6 +45,8 @@ class CheckpointFacts:
 
     model_name: str
     architecture: str
+    # config.json's model_type (None where it has none).
+    model_type: Optional[str]
     # MTP layers with weights in the checkpoint (0: none).
     mtp_num_layers: int
     max_position_embeddings: int
@@ -91,6 +93,7 @@ def checkpoint_facts(bridge, model_name: str) -> CheckpointFacts:
     return CheckpointFacts(
         model_name=model_name,
         architecture=(getattr(hf_config, "architectures", None) or ["?"])[0],
+        model_type=getattr(hf_config, "model_type", None),
         mtp_num_layers=int(provider.mtp_num_layers or 0),
         max_position_embeddings=int(provider.seq_length),
         multi_latent_attention=bool(getattr(provider, "multi_latent_attention", False)),
@@ -133,6 +136,37 @@ def mtp_count_keys() -> tuple[str, ...]:
     from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 
     return tuple(hf_key for hf_key, megatron_key in MegatronModelBridge.CONFIG_MAPPING if megatron_key == "mtp_num_layers")
+
+
+# Where the serving engines' MTP drafters zero the MTP layer's token embedding at position 0
+# (vLLM 0.32.0 ``vllm/model_executor/models/``, SGLang ``python/sglang/srt/models/``; docs/serving.md,
+# "Train/serve differences in the MTP input"), by config.json's architectures[0] or model_type.
+_ZEROING_ENGINES = {
+    "MiMoForCausalLM": "vLLM (mimo_mtp.py) and SGLang (mimo_mtp.py) zero the MTP embedding at position 0",
+    "DeepseekV3ForCausalLM": "vLLM (deepseek_mtp.py) zeroes the MTP embedding at position 0 (SGLang's NextN does not)",
+    "Glm4MoeForCausalLM": "vLLM (glm4_moe_mtp.py) zeroes the MTP embedding at position 0 (SGLang's NextN does not)",
+}
+_ZEROING_MODEL_TYPES = {"mimo": "MiMoForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+
+
+def mtp_position_0_zeroing(setting, architecture: Optional[str], model_type: Optional[str]) -> tuple[bool, str]:
+    """``policy.megatron_cfg.mtp_zero_embedding_at_position_0`` resolved for a checkpoint of
+    ``architecture`` (config.json's architectures[0]) and ``model_type`` (None, None: a GPT built
+    from scratch): whether the MTP layers zero their token embedding at position 0, and why."""
+    if setting != "auto":  # true | false (config.checks allows nothing else)
+        return bool(setting), f"set to {str(setting).lower()} in the config"
+    if architecture is None and model_type is None:
+        return False, "auto: a GPT built from scratch, no serving engine's MTP drafter to match"
+    name = architecture if architecture in _ZEROING_ENGINES else _ZEROING_MODEL_TYPES.get(model_type or "")
+    if name is not None:
+        return True, f"auto: {architecture or name} (model_type {model_type}): {_ZEROING_ENGINES[name]}"
+    return False, f"auto: {architecture} (model_type {model_type}): the serving engines' MTP drafters take megatron's input at position 0"
+
+
+def hf_architecture(bridge) -> tuple[Optional[str], Optional[str]]:
+    """config.json's architectures[0] and model_type of the checkpoint ``bridge`` reads."""
+    hf_config = bridge.hf_pretrained.config
+    return (getattr(hf_config, "architectures", None) or [None])[0], getattr(hf_config, "model_type", None)
 
 
 @dataclass

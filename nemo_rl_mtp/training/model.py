@@ -21,6 +21,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from nemo_rl_mtp.megatron_compat import mtp_position_zero
 from nemo_rl_mtp.megatron_compat import shims
 from nemo_rl_mtp.megatron_compat.capabilities import multi_latent_attention_refusal
 from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
@@ -308,6 +309,19 @@ def finalize_grads_of_prenormalised_loss(model, num_tokens=None, **kwargs) -> No
     finalize_model_grads(model, None, **kwargs)
 
 
+def apply_serving_position_0_convention(model, megatron_cfg, checkpoint=None) -> bool:
+    """``policy.megatron_cfg.mtp_zero_embedding_at_position_0`` resolved for the model's checkpoint
+    (None: built from scratch) and applied to ``model`` (unwrapped), logged with why: whether its
+    MTP layers zero their token embedding at position 0, as the engines that serve the export
+    draft (training and the rollouts' drafts both follow the model's choice)."""
+    architecture, model_type = hf_checkpoint.hf_architecture(checkpoint) if checkpoint is not None else (None, None)
+    zero, reason = hf_checkpoint.mtp_position_0_zeroing(megatron_cfg.mtp_zero_embedding_at_position_0, architecture, model_type)
+    if zero:
+        mtp_position_zero.zero_embedding_at_position_0(model)
+    logger.info("MTP token embedding at position 0: %s (%s)", "zeroed" if zero else "megatron's (not zeroed)", reason)
+    return zero
+
+
 def setup_megatron_policy(policy_cfg, vocab_size: int) -> MegatronPolicyModel:
     """Model, optimizer and the config hooks megatron's schedule reads during a step; with
     ``policy.model_name`` the checkpoint's architecture and weights (``vocab_size``: the
@@ -328,6 +342,7 @@ def setup_megatron_policy(policy_cfg, vocab_size: int) -> MegatronPolicyModel:
         load_imported_weights(checkpoint, model, policy_cfg, config)
     if mtp_enabled(config):
         shims.log_shim_coverage(model.module)
+        apply_serving_position_0_convention(model.module, megatron_cfg, checkpoint)
     optimizer = build_optimizer(model, megatron_cfg)
     config.finalize_model_grads_func = finalize_grads_of_prenormalised_loss
     config.grad_scale_func = optimizer.scale_loss

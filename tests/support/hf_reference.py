@@ -7,6 +7,9 @@ trunk's final, normed hidden state for d = 1) with the embedding of token t + d:
 ``input_proj(cat(hidden_layernorm(h), token_layernorm(e)))``, then a Qwen2 decoder block attending
 causally over the sequence with rotary embedding at the true positions, then ``final_layernorm``;
 ``lm_head`` gives its logits, a prediction of token t + d + 1.
+
+``zero_position_0``: the embedding e is set to zero at position 0 before its norm, at every depth,
+as vLLM's and SGLang's MiMo MTP drafters compute it (``inputs_embeds[positions == 0] = 0``).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ def load_hf_model(checkpoint: Path):
 
 
 @torch.no_grad()
-def hf_logits(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def hf_logits(model, input_ids: torch.Tensor, *, zero_position_0: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The trunk's logits ``[B, S, V]`` and each MTP depth's ``[B, S, V]`` (positions whose token
-    t + d is past the sequence see token id 0, as megatron's roll fills them)."""
+    t + d is past the sequence see token id 0, as megatron's roll fills them); the MTP token
+    embedding zeroed at position 0 with ``zero_position_0``."""
     trunk = model.model
     hidden = trunk(input_ids).last_hidden_state
     logits = model.lm_head(hidden)
@@ -39,7 +43,10 @@ def hf_logits(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.
     for depth, layer in enumerate(trunk.mtp_layers, start=1):
         shifted = torch.zeros_like(input_ids)
         shifted[:, : length - depth] = input_ids[:, depth:]
-        embedded = layer.token_layernorm(trunk.embed_tokens(shifted))
+        embedded = trunk.embed_tokens(shifted)
+        if zero_position_0:
+            embedded[:, 0] = 0.0
+        embedded = layer.token_layernorm(embedded)
         hidden = layer.input_proj(torch.cat([layer.hidden_layernorm(hidden), embedded], dim=-1))
         attended, _ = layer.self_attn(layer.input_layernorm(hidden), position_embeddings=rotary, attention_mask=causal)
         hidden = hidden + attended

@@ -62,16 +62,31 @@ def assert_mtp_logits_equal(megatron_depths: list[torch.Tensor], reference_depth
         torch.testing.assert_close(ours[:, :-depth], theirs[:, :-depth], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("mtp_layers", [1, 2])
-def test_imported_model_computes_the_checkpoints_logits_and_mtp_logits(checkpoints, mtp_layers):
-    policy, cfg, _ = imported(checkpoints[mtp_layers])
+@pytest.mark.parametrize("mtp_layers, zeroing, zeroed", [(1, "auto", True), (2, "auto", True), (1, "false", False), (2, "false", False)])
+def test_imported_model_computes_the_checkpoints_logits_and_mtp_logits(checkpoints, mtp_layers, zeroing, zeroed, caplog):
+    """MiMo's MTP drafters in vLLM and SGLang zero the MTP embedding at position 0: ``auto`` trains
+    that convention on a MiMo checkpoint (logged with why), ``false`` megatron's own; each equals
+    the HF-side reference computed with the same convention, and the two references differ."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        policy, cfg, _ = imported(checkpoints[mtp_layers], f"policy.megatron_cfg.mtp_zero_embedding_at_position_0={zeroing}")
     assert cfg.policy.megatron_cfg.mtp_num_layers == mtp_layers  # from the checkpoint
     megatron_cfg = cfg.policy.megatron_cfg
     assert megatron_cfg.hidden_size == 64 and megatron_cfg.num_attention_heads == megatron_cfg.num_query_groups == 2
+    if zeroed:
+        assert "MTP token embedding at position 0: zeroed (auto: MiMoForCausalLM" in caplog.text
+        assert "vLLM (mimo_mtp.py) and SGLang (mimo_mtp.py) zero the MTP embedding at position 0" in caplog.text
+    else:
+        assert "MTP token embedding at position 0: megatron's (not zeroed) (set to false in the config)" in caplog.text
     logits, depths = megatron_logits(policy)
-    reference, reference_depths = hf_logits(load_hf_model(checkpoints[mtp_layers])[0], TOKENS)
+    hf_model = load_hf_model(checkpoints[mtp_layers])[0]
+    reference, reference_depths = hf_logits(hf_model, TOKENS, zero_position_0=zeroed)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
     assert_mtp_logits_equal(depths, reference_depths)
+    _, other_convention = hf_logits(hf_model, TOKENS, zero_position_0=not zeroed)
+    for depth, (ours, theirs) in enumerate(zip(depths, other_convention), start=1):
+        assert (ours[:, :-depth] - theirs[:, :-depth]).abs().amax() > 1e-3  # the convention shows in every depth
 
 
 @pytest.mark.parametrize("mtp_layers", [1, 2])
@@ -107,7 +122,7 @@ def test_trained_heads_export_and_the_hf_reference_drafts_what_megatron_drafts(c
     source, exported = load_file(checkpoints[mtp_layers] / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(not torch.equal(source[name], exported[name]) for name in source if name.endswith("mtp_layers.0.input_proj.weight"))
     _, depths = megatron_logits(policy)
-    _, reference_depths = hf_logits(model, TOKENS)
+    _, reference_depths = hf_logits(model, TOKENS, zero_position_0=True)  # auto: MiMo's serving convention
     assert_mtp_logits_equal(depths, reference_depths)
 
 
@@ -124,14 +139,14 @@ def test_a_checkpoint_without_mtp_weights_gets_new_heads_and_exports_them(checkp
     assert cfg.policy.megatron_cfg.mtp_num_layers == 1  # the exemplar's, as a new layer
     assert "has no MTP weights: its 1 MTP layer(s) are new" in caplog.text
     logits, _ = megatron_logits(policy)
-    torch.testing.assert_close(logits, hf_logits(load_hf_model(checkpoints[0])[0], TOKENS)[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, hf_logits(load_hf_model(checkpoints[0])[0], TOKENS, zero_position_0=True)[0], rtol=0, atol=1e-5)
     save_policy(policy, tmp_path / "step_000000")
     out = export_run_checkpoint(cfg, tmp_path / "step_000000", tmp_path / "hf")
     model, info = load_hf_model(out)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
     _, depths = megatron_logits(policy)
-    assert_mtp_logits_equal(depths, hf_logits(model, TOKENS)[1])
+    assert_mtp_logits_equal(depths, hf_logits(model, TOKENS, zero_position_0=True)[1])  # auto: MiMo's serving convention
 
 
 @pytest.mark.parametrize("num_speculative_tokens", [0, 1])
@@ -204,7 +219,7 @@ def test_multi_latent_attention_is_refused_on_the_cpu(tmp_path):
     assert deferred.policy.model_name == str(tmp_path)
 
 
-def test_a_qwen3_checkpoint_gets_new_heads_in_megatron_bridges_qwen3_mtp_layout(tmp_path):
+def test_a_qwen3_checkpoint_gets_new_heads_in_megatron_bridges_qwen3_mtp_layout(tmp_path, caplog):
     """A second architecture, transformers' own class (no remote code), with q/k layer norms: the
     trunk's logits and tensors come back exactly, and the new MTP layer is exported under the
     names megatron-bridge maps for Qwen3 (Qwen3-Next's ``mtp.*``)."""
@@ -228,8 +243,12 @@ def test_a_qwen3_checkpoint_gets_new_heads_in_megatron_bridges_qwen3_mtp_layout(
 
     from nemo_rl_mtp.training.model import setup_megatron_policy
 
+    import logging
+
     model_parallel_cuda_manual_seed(cfg.policy.megatron_cfg.seed)
-    policy = setup_megatron_policy(cfg.policy, 320)
+    with caplog.at_level(logging.INFO):
+        policy = setup_megatron_policy(cfg.policy, 320)
+    assert "MTP token embedding at position 0: megatron's (not zeroed) (auto: Qwen3ForCausalLM (model_type qwen3)" in caplog.text
     assert policy.config.qk_layernorm and cfg.policy.megatron_cfg.mtp_num_layers == 1
     logits, _ = megatron_logits(policy)
     with torch.no_grad():
@@ -238,3 +257,22 @@ def test_a_qwen3_checkpoint_gets_new_heads_in_megatron_bridges_qwen3_mtp_layout(
     source = reference.state_dict()
     assert all(torch.equal(exported[name], tensor) for name, tensor in source.items())
     assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_norm.weight"} <= exported.keys() - source.keys()
+
+
+def test_the_driver_says_once_which_position_0_convention_the_heads_train_and_why(checkpoints, caplog):
+    """Before any worker starts: a MiMo checkpoint under ``auto`` trains vLLM's and SGLang's
+    convention; a GPT built from scratch does not."""
+    import logging
+
+    from nemo_rl_mtp.grpo.run import resolve_model
+
+    with caplog.at_level(logging.INFO, logger="nemo_rl_mtp.grpo.run"):
+        resolved(checkpoints[1], "policy.trust_remote_code=true")
+        resolve_model(load_checked_config())
+    lines = [record.getMessage() for record in caplog.records if "MTP token embedding at position 0" in record.getMessage()]
+    assert lines == [
+        "MTP token embedding at position 0: zeroed (auto: MiMoForCausalLM (model_type mimo): vLLM (mimo_mtp.py) and SGLang "
+        "(mimo_mtp.py) zero the MTP embedding at position 0)",
+        "MTP token embedding at position 0: megatron's (not zeroed) (auto: a GPT built from scratch, no serving engine's MTP "
+        "drafter to match)",
+    ]

@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from nemo_rl_mtp.megatron_compat import mtp_position_zero
 from nemo_rl_mtp.training.checkpoint import load_model_weights, save_policy
 from nemo_rl_mtp.training.step import forward_backward_global_batch, mtp_tracker_emptied
 from tests.support.helpers import eval_forward_logits, gradients, make_batch, make_policy
@@ -124,13 +125,16 @@ def run_step(policy, policy_cfg, batch):
         {"megatron_cfg__mtp_loss_type": "cross_entropy", **MOE_EXPERTS},
         {"megatron_cfg__mtp_num_layers": 2, "megatron_cfg__mtp_use_repeated_layer": True},
         {"megatron_cfg__mtp_num_layers": 2, "megatron_cfg__mtp_use_repeated_layer": True, **MOE_EXPERTS},
+        {"megatron_cfg__mtp_num_layers": 2, "megatron_cfg__mtp_zero_embedding_at_position_0": True, **MOE_EXPERTS},
     ],
-    ids=["cross_entropy", "total_variation_two_depths", "moe", "repeated_layer", "repeated_moe_layer"],
+    ids=["cross_entropy", "total_variation_two_depths", "moe", "repeated_layer", "repeated_moe_layer", "position_0_zeroed_moe"],
 )
 def test_an_mtp_training_step_gives_the_same_losses_metrics_and_gradients(overrides):
     """MTP loss, acceptance, forecast, policy loss, router metrics and every gradient (right-padded
     rows: the MoE routers of the MTP layer must exclude the padding in both classes)."""
     (gpt, gpt_cfg), (hybrid, hybrid_cfg) = twin_policies(**{"megatron_cfg__mtp_num_layers": 1, **overrides})
+    zeroed = "megatron_cfg__mtp_zero_embedding_at_position_0" in overrides
+    assert mtp_position_zero.zeroes_position_0(gpt.model.module) is mtp_position_zero.zeroes_position_0(hybrid.model.module) is zeroed
     batch = make_batch(RAGGED_RESPONSES)
     gpt_metrics, gpt_grads = run_step(gpt, gpt_cfg, batch)
     hybrid_metrics, hybrid_grads = run_step(hybrid, hybrid_cfg, batch)

@@ -1,0 +1,66 @@
+"""The project's engine on an export, greedy over the run's held-out prompts: its draft counts as
+``val/draft_1_acceptance_rate`` takes them, and the same drafts replayed from the training forward
+counting only those whose token lies inside the response (through its first end-of-sequence
+token), the drafts vLLM counts. megatron's engine ends a request only when its *sampled* token is
+the end of sequence, not an accepted draft, so a request whose accepted draft is the end keeps
+decoding (and drafting) until a sampled token ends it; the response is cut at its first end, but
+those steps' drafts stay in the engine's counts (docs/serving.md, "Measured"). One draft per step.
+
+    uv run python -m scripts.acceptance_inside_responses logs/<run>/config.yaml exported/<run>
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import read_write
+
+from examples.serve_check import held_out_prompts
+from nemo_rl_mtp.config.load import load_saved_config, resolve_checkpoint_keys
+from nemo_rl_mtp.rollout.engine import RolloutEngine
+from nemo_rl_mtp.training import hf_checkpoint
+from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
+from tests.support.helpers import eval_forward_logits, free_port
+
+
+def replayed_inside_responses(policy, rollouts) -> tuple[int, int]:
+    """Drafts proposed and accepted by greedy decoding with one draft per step, replayed from the
+    training forward: the draft from position j predicts token j + 2; accepted, the next comes
+    from j + 2, else from j + 1; a draft counts only if its token is in the response."""
+    depth_one = eval_forward_logits(policy, rollouts["tokens"], torch.ones_like(rollouts["tokens"]))[1][0].argmax(dim=-1)
+    proposed = accepted = 0
+    for row, (prompt_length, length) in enumerate(zip(rollouts["prompt_lengths"].tolist(), rollouts["lengths"].tolist())):
+        position = prompt_length - 1
+        while position + 2 < length:
+            right = bool(depth_one[row, position] == rollouts["tokens"][row, position + 2])
+            proposed, accepted = proposed + 1, accepted + right
+            position += 2 if right else 1
+    return proposed, accepted
+
+
+def main(config: str, export: str) -> None:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    logging.basicConfig(level=logging.WARNING)
+    cfg = load_saved_config(config)
+    with read_write(cfg):
+        cfg.policy.model_name = str(Path(export).resolve())
+    bridge = hf_checkpoint.open_checkpoint(cfg.policy.model_name, cfg.policy.trust_remote_code)
+    cfg = resolve_checkpoint_keys(cfg, hf_checkpoint.checkpoint_facts(bridge, cfg.policy.model_name))
+    initialize_model_parallel(cfg.policy.megatron_cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    model_parallel_cuda_manual_seed(cfg.policy.megatron_cfg.seed)
+    held_out, _, tokenizer = held_out_prompts(cfg, Path(export))
+    policy = setup_megatron_policy(cfg.policy, tokenizer.vocab_size)
+    engine = RolloutEngine(policy, cfg.policy)
+    rollouts = engine.generate([prompt.prompt_ids for prompt in held_out], tokenizer.eos_id, tokenizer.pad_id, seed=0, greedy=True)
+    proposed, accepted = int(rollouts["draft_proposed"][0]), int(rollouts["draft_accepted"][0])
+    print(f"engine's counts (val/): {accepted}/{proposed} = {100 * accepted / proposed:.1f}%")
+    proposed, accepted = replayed_inside_responses(policy, rollouts)
+    print(f"drafts inside the responses: {accepted}/{proposed} = {100 * accepted / proposed:.1f}%")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
