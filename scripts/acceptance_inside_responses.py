@@ -2,9 +2,10 @@
 ``val/draft_1_acceptance_rate`` takes them, and the same drafts replayed from the training forward
 counting only those whose token lies inside the response (through its first end-of-sequence
 token), the drafts vLLM counts. megatron's engine ends a request only when its *sampled* token is
-the end of sequence, not an accepted draft, so a request whose accepted draft is the end keeps
-decoding (and drafting) until a sampled token ends it; the response is cut at its first end, but
-those steps' drafts stay in the engine's counts (docs/serving.md, "Measured"). One draft per step.
+the end of sequence, not an accepted draft, so a request whose accepted draft was the end kept
+decoding (and drafting) until a sampled token ended it, and those steps' drafts were in the
+engine's counts (docs/serving.md, "Measured"). The engine now ends a request at an accepted end
+draft (docs/rollouts.md, "Verification"), so the two figures should agree. One draft per step.
 
     uv run python -m scripts.acceptance_inside_responses logs/<run>/config.yaml exported/<run>
 """

@@ -9,11 +9,18 @@ sampling backend's ``sample_speculative`` (0.18 on) or the controller's
 ``_sample_speculative_logits`` (0.17). The classes here override exactly those and call a public
 hook with what it needs:
 
-- :class:`SpeculativeControllerHooks`: ``after_verification()`` and ``draft_round(megatron_round)``
-  (counting, drafters);
-- :class:`VerificationHooks`: also ``sample_drafts(logits_2d)``, ``verification_rows(logits,
-  num_decode, num_prefill)`` and ``before_verifying_drafts(input_tokens_required,
-  num_decode_requests)`` (rejection sampling).
+- :class:`SpeculativeControllerHooks`: ``after_verification()``, ``draft_round(megatron_round)``
+  (counting, drafters) and ``before_verifying_drafts(input_tokens_required, num_decode_requests)``;
+- :class:`VerificationHooks`: also ``sample_drafts(logits_2d)`` and ``verification_rows(logits,
+  num_decode, num_prefill)`` (rejection sampling).
+
+One behaviour of megatron's is changed here, because it lives in its verification: megatron ends a
+request only when the token it *samples* is the request's ``termination_id``, not when an
+*accepted draft* is, so a request whose accepted draft is the end of sequence kept decoding and
+drafting (the response is cut at its first end, but those steps cost compute and their drafts
+were counted). After megatron's equality check, :func:`end_at_accepted_end_of_sequence` makes a
+request's first accepted end-of-sequence draft its step's sampled token (as vLLM stops at it);
+``end_of_sequence_drafts`` holds where, for the counts.
 
 Every name reached here is checked when an engine is built (:mod:`engine_probes`): a release that
 renames one stops the build naming it, rather than leaving megatron's own behaviour in place
@@ -32,17 +39,39 @@ from typing import Callable
 import torch
 from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
-from nemo_rl_mtp.megatron_compat import engine_probes
+from nemo_rl_mtp.megatron_compat import engine_access, engine_probes
 
 
 class SpeculativeControllerHooks(TextGenerationController):
     """megatron's controller whose verification step and draft round call public hooks; by default
-    the hooks do what megatron does (nothing after verification; its own draft round)."""
+    the hooks do what megatron does (nothing after verification; its own draft round). One
+    difference from megatron's: a request ends at its first accepted end-of-sequence draft
+    (:func:`end_at_accepted_end_of_sequence`); ``end_of_sequence_drafts`` [decode requests] is,
+    after each verification, the draft position (1..k) where each ended that way, else 0."""
+
+    end_of_sequence_drafts: torch.Tensor | None = None
 
     def _dynamic_step_sample_logits_and_verify_tokens(self, *args, **kwargs):
         result = super()._dynamic_step_sample_logits_and_verify_tokens(*args, **kwargs)
         self.after_verification()
         return result
+
+    def _verify_speculative_tokens(self, *args, **kwargs):
+        arguments = _VERIFY_SIGNATURE.bind(self, *args, **kwargs).arguments
+        num_decode = arguments["num_decode_requests"]
+        self.before_verifying_drafts(arguments["input_tokens_required"], num_decode)
+        last_one_indices, accepted_tokens_mask, input_tokens = super()._verify_speculative_tokens(*args, **kwargs)
+        # megatron keeps the end tokens in pinned host memory it rewrites as requests move: copied
+        # first, so the asynchronous copy to the device cannot read a later step's.
+        termination_ids = engine_access.termination_ids(self, num_decode).clone().to(input_tokens.device, non_blocking=True)
+        self.end_of_sequence_drafts = end_at_accepted_end_of_sequence(
+            last_one_indices, accepted_tokens_mask, input_tokens, num_decode, self.num_speculative_tokens, termination_ids
+        )
+        return last_one_indices, accepted_tokens_mask, input_tokens
+
+    def before_verifying_drafts(self, input_tokens_required: torch.Tensor, num_decode_requests: int) -> None:
+        """Before megatron's equality check: the step's input tokens (each decode request's k + 1,
+        first) and how many decode requests there are."""
 
     def after_verification(self) -> None:
         """After megatron verified a step's drafts (its accepted drafts:
@@ -57,9 +86,8 @@ class SpeculativeControllerHooks(TextGenerationController):
 
 
 class VerificationHooks(SpeculativeControllerHooks):
-    """Also: the drafts of each depth (``sample_drafts``), the tokens of the verification rows
-    (``verification_rows``, which a subclass must define) and a look at the drafts megatron's
-    equality check is about to verify (``before_verifying_drafts``)."""
+    """Also: the drafts of each depth (``sample_drafts``) and the tokens of the verification rows
+    (``verification_rows``, which a subclass must define)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -85,15 +113,6 @@ class VerificationHooks(SpeculativeControllerHooks):
         repeats = torch.where(request_in_prefill_status_tensor == 0, 1 + self.num_speculative_tokens, 1)
         return self.verification_rows(required_logits, num_decode, num_prefill), repeats
 
-    def _verify_speculative_tokens(self, *args, **kwargs):
-        arguments = _VERIFY_SIGNATURE.bind(self, *args, **kwargs).arguments
-        self.before_verifying_drafts(arguments["input_tokens_required"], arguments["num_decode_requests"])
-        return super()._verify_speculative_tokens(*args, **kwargs)
-
-    def before_verifying_drafts(self, input_tokens_required: torch.Tensor, num_decode_requests: int) -> None:
-        """Before megatron's equality check: the step's input tokens (each decode request's k + 1,
-        first) and how many decode requests there are."""
-
 
 # The parameters of megatron's equality check are read by name (their order differs by release).
 _VERIFY_SIGNATURE = (
@@ -101,6 +120,44 @@ _VERIFY_SIGNATURE = (
     if hasattr(TextGenerationController, "_verify_speculative_tokens")
     else None
 )
+
+
+def end_at_accepted_end_of_sequence(
+    last_one_indices: torch.Tensor,
+    accepted_tokens_mask: torch.Tensor,
+    input_tokens: torch.Tensor,
+    num_decode: int,
+    k: int,
+    termination_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Make each decode request's first accepted end-of-sequence draft its step's sampled token, so
+    megatron's termination check (which reads only the sampled token) ends the request there.
+
+    megatron's check returns, per request, its k + 1 input tokens' acceptance (``accepted_tokens_mask``:
+    the base token, then the accepted prefix of the drafts) and the index of its last accepted one
+    (``last_one_indices``), whose output row becomes the step's sampled token. An accepted draft at
+    position j (1..k) equals the token sampled at row j - 1, so moving the last accepted index to
+    j - 1 and un-accepting drafts j.. makes that draft the sampled token: the request's tokens are the
+    same through it, and tokens after an end of sequence are never in a response, so the response's
+    distribution (exact match or rejection sampling) is unchanged. Edited in place, on the device
+    (no host synchronisation). ``termination_ids`` [num_decode]: each decode request's end token
+    (-1: none). Returns [num_decode]: j where a request ended at its draft j, else 0."""
+    stride = k + 1
+    rows = num_decode * stride
+    if num_decode == 0:
+        return torch.zeros(0, dtype=torch.long, device=last_one_indices.device)
+    mask = accepted_tokens_mask.view(-1)[:rows].view(num_decode, stride)
+    tokens = input_tokens.reshape(-1)[:rows].view(num_decode, stride)
+    ends = mask.bool() & (tokens == termination_ids[:, None].to(tokens.dtype))
+    ends[:, 0] = False  # the base token was sampled last step: megatron's check saw it then
+    ended = ends.any(dim=1)
+    position = torch.where(ended, ends.int().argmax(dim=1), 0)
+    columns = torch.arange(stride, device=mask.device)
+    keep = ~ended[:, None] | (columns[None, :] < position[:, None])
+    mask.copy_((mask.bool() & keep).to(mask.dtype))
+    request_rows = torch.arange(num_decode, device=last_one_indices.device) * stride
+    last_one_indices[:num_decode] = torch.where(ended, request_rows + position - 1, last_one_indices[:num_decode])
+    return position
 
 
 class _VerificationRowsFromController:

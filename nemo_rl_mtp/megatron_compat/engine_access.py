@@ -105,6 +105,13 @@ def accepted_tokens_per_request(controller) -> torch.Tensor | None:
     return getattr(controller, "_accepted_tokens_per_request", None)
 
 
+def termination_ids(controller, count: int) -> torch.Tensor:
+    """The end-of-sequence token of the first ``count`` active requests ``[count]`` (-1: none), from
+    the context's per-request metadata, where megatron's own termination check reads it."""
+    context = controller.inference_wrapped_model.inference_context
+    return context.request_metadata["termination_id"][context.paused_request_count : context.paused_request_count + count]
+
+
 def last_accepted_indices(controller) -> torch.Tensor:
     """Per active request, the index of its last accepted token among the step's tokens ``[R]``."""
     return controller._last_accepted_seq_indices

@@ -66,9 +66,9 @@ def class_names_changed(model, generation_cfg) -> list[str]:
     from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
     problems = _methods(TextGenerationController, COUNTING_METHODS, "controller")
+    problems += _methods(TextGenerationController, VERIFY_PARAMETERS, "controller", by_name=True)
     if generation_cfg.spec_verification == "rejection_sampling":
         problems += _methods(TextGenerationController, REJECTION_SAMPLING_METHODS, "controller")
-        problems += _methods(TextGenerationController, VERIFY_PARAMETERS, "controller", by_name=True)
     if getattr(model, "mtp", None) is not None and generation_cfg.draft_context != "single_position":
         problems += _methods(TextGenerationController, DRAFTING_METHODS, "controller")
         problems += _methods(type(model), MODEL_METHODS, "model")
@@ -87,6 +87,8 @@ def changed_names(engine, generation_cfg) -> list[str]:
     problems += _attributes(controller, COUNTING_ATTRIBUTES, "controller")
     problems += _methods(_megatron_class(engine), ENGINE_METHODS, "engine")
     problems += _attributes(engine, ENGINE_ATTRIBUTES, "engine")
+    if "termination_id" not in getattr(controller.inference_wrapped_model.inference_context, "request_metadata", {}):
+        problems.append("context.request_metadata['termination_id'] (each request's end-of-sequence token) is missing")
     if generation_cfg.spec_verification == "rejection_sampling":
         problems += _attributes(controller, REJECTION_SAMPLING_ATTRIBUTES, "controller")
         problems += [] if verification_rows_hook(controller) else [_missing_verification_rows()]

@@ -9,7 +9,8 @@ verification together. Here:
 
 - :class:`AcceptanceCounts` (a controller mixin) counts drafts per position for the whole batch
   right after verification, from the accepted counts the controller already holds: each decode
-  request proposes k drafts; draft i is accepted when the first i + 1 are;
+  request proposes k drafts; draft i is accepted when the first i + 1 are (a request ending at an
+  accepted end-of-sequence draft proposes none after it);
 - :class:`SpeculativeBookkeepingEngine` hands megatron's walk each request's merged tokens
   (accepted drafts, then the new token) and runs it as for a step without speculation, which
   appends them and counts nothing. Requests with stop words (whose trimming changes what counts)
@@ -55,13 +56,31 @@ class AcceptanceCounts:
     def after_verification(self) -> None:
         """After megatron's verification: its accepted drafts ``[>= decode requests, k]`` are each
         decode request's accepted prefix, -1 after it, so draft i is accepted where column i is
-        not -1."""
+        not -1.
+
+        A request that ended at an accepted end-of-sequence draft j (``end_of_sequence_drafts``,
+        :func:`controller_hooks.end_at_accepted_end_of_sequence`: the draft became the step's
+        sampled token, so it is not among megatron's accepted drafts) counts drafts 1..j proposed
+        and accepted, and none after: the end-of-sequence draft is accepted as vLLM counts it, and
+        only drafts inside the response count (as ``scripts/acceptance_inside_responses.py``
+        replays them; vLLM's scheduler also counts the step's drafts after the end, which never
+        reach a response, before its stop check)."""
         super().after_verification()
         num_decode = self.inference_wrapped_model.inference_context.num_decode_requests
         if num_decode == 0:
             return
-        self.drafts_proposed += num_decode
-        self.drafts_accepted += (engine_access.accepted_tokens_per_request(self)[:num_decode] != -1).sum(dim=0)
+        k = self.num_speculative_tokens
+        accepted = (engine_access.accepted_tokens_per_request(self)[:num_decode] != -1).sum(dim=1)
+        ended_at, self.end_of_sequence_drafts = self.end_of_sequence_drafts, None  # read once: a stale one would miscount
+        if ended_at is None or ended_at.shape[0] != num_decode:
+            raise RuntimeError("speculative counts: the step's verification did not record its end-of-sequence drafts")
+        ended_at = ended_at.to(accepted.device)
+        ended = ended_at > 0
+        proposed = torch.where(ended, ended_at, k)
+        accepted = accepted + ended.to(accepted.dtype)
+        positions = torch.arange(k, device=accepted.device)
+        self.drafts_proposed += (positions[None, :] < proposed[:, None]).sum(dim=0)
+        self.drafts_accepted += (positions[None, :] < accepted[:, None]).sum(dim=0)
 
 
 class _TokenRows:

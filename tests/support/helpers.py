@@ -99,6 +99,22 @@ def response_mask(rollouts: dict[str, torch.Tensor]) -> torch.Tensor:
     return (positions >= rollouts["prompt_lengths"][:, None]) & (positions < rollouts["lengths"][:, None])
 
 
+def expected_draft_counts(policy, rollouts) -> tuple[int, int]:
+    """Drafts proposed and accepted by greedy decoding with one draft per step, replayed from the
+    training forward alone: the draft from position j predicts token j + 2; accepted, the next one
+    comes from j + 2, else from j + 1; a draft counts only if its token is in the response
+    (through its end of sequence), as vLLM counts them."""
+    depth_one = eval_forward_logits(policy, rollouts["tokens"], response_mask(rollouts))[1][0].argmax(dim=-1)
+    proposed = accepted = 0
+    for row, (prompt_length, length) in enumerate(zip(rollouts["prompt_lengths"].tolist(), rollouts["lengths"].tolist())):
+        position = prompt_length - 1
+        while position + 2 < length:
+            right = bool(depth_one[row, position] == rollouts["tokens"][row, position + 2])
+            proposed, accepted = proposed + 1, accepted + right
+            position += 2 if right else 1
+    return proposed, accepted
+
+
 def recompute_sampler(
     policy, prompts: list[list[int]], max_new_tokens: int, eos_id: int, temperature: float = 0.0, seed: int = 0
 ) -> list[list[int]]:

@@ -18,7 +18,7 @@ from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngin
 from megatron.core.inference.text_generation_controllers import text_generation_controller  # noqa: E402
 
 from nemo_rl_mtp.rollout import bookkeeping as engine_bookkeeping  # noqa: E402
-from nemo_rl_mtp.megatron_compat import engine_access, engine_probes, kv_rewind  # noqa: E402
+from nemo_rl_mtp.megatron_compat import controller_hooks, engine_access, engine_probes, kv_rewind  # noqa: E402
 from nemo_rl_mtp.megatron_compat import engine_release  # noqa: E402
 from nemo_rl_mtp.rollout.engine import RolloutEngine  # noqa: E402
 from nemo_rl_mtp.megatron_compat import speculative_kernels  # noqa: E402
@@ -51,7 +51,10 @@ def test_merged_tokens_are_the_accepted_drafts_then_the_new_token():
 def test_rollouts_and_counts_equal_megatrons_own_bookkeeping(monkeypatch, k, verification):
     """The reference engine is megatron's DynamicInferenceEngine with its own per-request walk,
     counters, rewind loop and next-pass loop; three requests at a time, temperature 0.7 (drafts
-    rejected and accepted, responses cut by the budget mid-step)."""
+    rejected and accepted, responses cut by the budget mid-step). Where a request ends at an
+    accepted end-of-sequence draft j (``controller_hooks.end_at_accepted_end_of_sequence``, in both
+    engines), megatron's counters take the end as the step's sampled token, proposed at every
+    position: ours count draft j accepted and no draft after it."""
     overrides = engine_overrides(
         k, 2, generation__engine__max_requests=3, generation__temperature=0.7, generation__spec_verification=verification
     )
@@ -64,18 +67,27 @@ def test_rollouts_and_counts_equal_megatrons_own_bookkeeping(monkeypatch, k, ver
     if not REWIND_LOOP_MISSING:
         monkeypatch.setattr(text_generation_controller, "rewind_kv_cache", mtp_utils_pytorch.rewind_kv_cache)
         monkeypatch.setattr(text_generation_controller, "prepare_next_forward_pass", mtp_utils_pytorch.prepare_next_forward_pass)
+    ended_at = []
+    edit = controller_hooks.end_at_accepted_end_of_sequence
+    monkeypatch.setattr(controller_hooks, "end_at_accepted_end_of_sequence", lambda *args: ended_at.append(edit(*args)) or ended_at[-1])
     reference_engine = RolloutEngine(policy, cfg)
     assert type(reference_engine.engine) is engine_bookkeeping.RequestSamplingNotes
     reference = generate(reference_engine, PROMPTS * 2, seed=11)
     megatron = reference_engine.engine
 
     assert torch.equal(ours["tokens"], reference["tokens"]) and torch.equal(ours["logprobs"], reference["logprobs"])
+    ends = torch.cat(ended_at).cpu()
+    ends = ends[ends > 0]
+    positions = torch.arange(k)
+    not_proposed = (positions[None, :] >= ends[:, None]).sum(dim=0)  # by ours, after an accepted end
+    end_accepted = (positions[None, :] == ends[:, None] - 1).sum(dim=0)  # by ours, not megatron
     if hasattr(megatron, "_spec_tokens_proposed_per_pos"):
         megatron_counts = (megatron._spec_tokens_proposed_per_pos, megatron._spec_tokens_accepted_per_pos)
-        assert torch.equal(ours["draft_proposed"], megatron_counts[0]) and torch.equal(ours["draft_accepted"], megatron_counts[1])
+        assert torch.equal(ours["draft_proposed"] + not_proposed, megatron_counts[0])
+        assert torch.equal(ours["draft_accepted"] - end_accepted, megatron_counts[1])
     else:  # megatron-core 0.17, 0.18 count totals, and k proposed drafts in each request's prefill step too
-        assert int(ours["draft_proposed"].sum()) + k * len(PROMPTS * 2) == megatron._spec_tokens_proposed
-        assert int(ours["draft_accepted"].sum()) == megatron._spec_tokens_accepted
+        assert int((ours["draft_proposed"] + not_proposed).sum()) + k * len(PROMPTS * 2) == megatron._spec_tokens_proposed
+        assert int((ours["draft_accepted"] - end_accepted).sum()) == megatron._spec_tokens_accepted
     assert 0 < int(ours["draft_accepted"][0]) < int(ours["draft_proposed"][0])
     assert torch.equal(reference["draft_proposed"], ours["draft_proposed"])  # the controller's count, both engines
 

@@ -94,10 +94,13 @@ def test_every_draft_equals_the_sequence_path(draft_gaps, mtp_num_layers, k, rep
 
 
 def test_every_draft_of_trained_heads_equals_the_sequence_path(trained_policy, draft_gaps):
-    """Trained heads: long runs of accepted drafts (several positions committed per step)."""
+    """Trained heads: long runs of accepted drafts (several positions committed per step). Second
+    drafts are accepted 8 times in 18 here: the 3 more accepted (of 21) counted before requests
+    ended at an accepted end-of-sequence draft were end tokens drafted after an accepted end."""
     cfg = tiny_config(**engine_overrides(2, **SIZES, **MIXED_STEPS)).policy
     rollouts = generate(RolloutEngine(trained_policy, cfg), PROMPTS * 2, seed=5)
-    assert int(rollouts["draft_accepted"][1]) > 0.5 * int(rollouts["draft_proposed"][1])
+    accepted, proposed = rollouts["draft_accepted"].tolist(), rollouts["draft_proposed"].tolist()
+    assert accepted[0] > 0.5 * proposed[0] and accepted[1] > 0.4 * proposed[1]
     _check(draft_gaps, rollouts, 2)
 
 

@@ -17,7 +17,7 @@ from nemo_rl_mtp.rollout import incremental_drafts  # noqa: E402
 from nemo_rl_mtp.rollout import sequence_drafts  # noqa: E402
 from nemo_rl_mtp.rollout.engine import RolloutEngine  # noqa: E402
 from nemo_rl_mtp.training.module_modes import eval_mode  # noqa: E402
-from tests.support.helpers import eval_forward_logits, make_policy, response_mask, tiny_config  # noqa: E402
+from tests.support.helpers import eval_forward_logits, expected_draft_counts, make_policy, response_mask, tiny_config  # noqa: E402
 from tests.support.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides, generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
@@ -97,21 +97,6 @@ def test_a_requests_drafts_do_not_depend_on_the_other_requests_of_the_batch(reco
     assert recorded_drafts.keys() == alone.keys() and len(alone) > 20
     worst = max(float((recorded_drafts[key] - alone[key]).abs().max()) for key in alone)
     assert worst <= 1e-6, worst
-
-
-def expected_draft_counts(policy, rollouts) -> tuple[int, int]:
-    """Drafts proposed and accepted by greedy decoding with one draft per step, replayed from the
-    training forward alone: the draft from position j predicts token j + 2; accepted, the next one
-    comes from j + 2, else from j + 1; a draft is verified only if its token is in the response."""
-    depth_one = training_mtp_logits(policy, rollouts)[0].argmax(dim=-1)
-    proposed = accepted = 0
-    for row, (prompt_length, length) in enumerate(zip(rollouts["prompt_lengths"].tolist(), rollouts["lengths"].tolist())):
-        position = prompt_length - 1
-        while position + 2 < length:
-            right = bool(depth_one[row, position] == rollouts["tokens"][row, position + 2])
-            proposed, accepted = proposed + 1, accepted + right
-            position += 2 if right else 1
-    return proposed, accepted
 
 
 def upstream_draft_step_misses_context(policy) -> bool:
