@@ -176,11 +176,13 @@ def _watch_start(done: threading.Event, started: float, limit_s: float, what: st
 
 
 def _abandon_start(started: float, status: int, line: str) -> None:
+    from nemo_rl_mtp.reporting.console import hard_exit
+
     if not threading.main_thread().is_alive():
         return
     stop_processes_started_since(started)
     print(line, file=sys.stderr, flush=True)
-    os._exit(status)
+    hard_exit(status)
 
 
 def _start_failed(what: str, limit_s: float, after_s: Optional[float] = None, error: Optional[BaseException] = None) -> str:

@@ -88,18 +88,28 @@ def run_named(cfg: MasterConfig) -> Iterator[MasterConfig]:
     was written into its directory (a config the preflight checks refuse, a data file that does
     not open, a Ray that does not start): the claimed directory, still empty, is removed, so the
     log directory gains no empty run directory that reads as a run. A directory holding anything
-    is kept, and a run name the user chose is never touched."""
+    is kept, and a run name the user chose is never touched. A process ended by the Ray start's
+    watchdog (``reporting.console.hard_exit``) gives it back too."""
     if cfg.logger.run_name is not None:
         yield cfg
         return
+    from nemo_rl_mtp.reporting.console import undone_on_hard_exit
+
     stem = _default_run_stem()
     name = _claim(Path(cfg.logger.log_dir), stem)
+    if name is None:  # log_dir not writable: nothing claimed, which the preflight checks report
+        yield _named(cfg, stem)
+        return
+
+    def give_back() -> None:
+        with contextlib.suppress(OSError):  # not empty: the run wrote into it, and it stays
+            (Path(cfg.logger.log_dir) / name).rmdir()
+
     try:
-        yield _named(cfg, name or stem)
+        with undone_on_hard_exit(give_back):  # also when a Ray start held in C++ is abandoned
+            yield _named(cfg, name)
     except BaseException:
-        if name is not None:
-            with contextlib.suppress(OSError):  # not empty: the run wrote into it, and it stays
-                (Path(cfg.logger.log_dir) / name).rmdir()
+        give_back()
         raise
 
 

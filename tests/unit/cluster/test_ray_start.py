@@ -57,17 +57,19 @@ def test_a_local_start_sets_rays_start_up_settings_and_a_users_own_variable_wins
 
 # A start that never returns, holding the main thread in C code where no Python signal handler
 # runs (as Ray's core worker was seen to, for minutes): a second lock of a plain pthread mutex,
-# with the GIL released. Before it, the "start" begins a process of its own, as ray.init does.
+# with the GIL released. Before it, the "start" begins a process of its own, as ray.init does,
+# and a directory to be given back if the process is abandoned, as a run's claimed directory is.
 HELD_START = textwrap.dedent(
     """
-    import ctypes, subprocess, sys
+    import ctypes, os, subprocess, sys
     from nemo_rl_mtp.cluster.ray_cluster import bounded_start
-    from nemo_rl_mtp.reporting.console import interrupt_once_on_signals
+    from nemo_rl_mtp.reporting.console import interrupt_once_on_signals, undone_on_hard_exit
 
     interrupt_once_on_signals()
     libc = ctypes.CDLL(None)
     mutex = ctypes.create_string_buffer(64)  # PTHREAD_MUTEX_INITIALIZER: zeros
-    with bounded_start(float(sys.argv[1]), "start"):
+    os.mkdir(sys.argv[2])
+    with undone_on_hard_exit(lambda: os.rmdir(sys.argv[2])), bounded_start(float(sys.argv[1]), "start"):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         print(child.pid, flush=True)
         libc.pthread_mutex_lock(mutex)
@@ -76,9 +78,9 @@ HELD_START = textwrap.dedent(
 )
 
 
-def _held_start(limit_s: float) -> tuple[subprocess.Popen, int]:
+def _held_start(limit_s: float, claimed: Path) -> tuple[subprocess.Popen, int]:
     process = subprocess.Popen(
-        [sys.executable, "-c", HELD_START, str(limit_s)], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", HELD_START, str(limit_s), str(claimed)], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     return process, int(process.stdout.readline())
 
@@ -90,8 +92,8 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_a_start_that_hangs_ends_after_the_limit_in_one_line_leaving_nothing():
-    process, child = _held_start(3)
+def test_a_start_that_hangs_ends_after_the_limit_in_one_line_leaving_nothing(tmp_path):
+    process, child = _held_start(3, tmp_path / "claimed")
     start = time.monotonic()
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 1, stderr
@@ -99,10 +101,11 @@ def test_a_start_that_hangs_ends_after_the_limit_in_one_line_leaving_nothing():
     assert stderr.strip().splitlines()[-1].startswith("error: RayStartError: cluster: Ray did not start within 3 s; load average")
     assert "raise cluster.start_timeout_s (now 3)" in stderr
     assert _gone(child)
+    assert not (tmp_path / "claimed").exists()
 
 
-def test_a_sigterm_while_the_start_holds_the_main_thread_exits_143_leaving_nothing():
-    process, child = _held_start(300)
+def test_a_sigterm_while_the_start_holds_the_main_thread_exits_143_leaving_nothing(tmp_path):
+    process, child = _held_start(300, tmp_path / "claimed")
     time.sleep(0.5)  # in the held lock
     start = time.monotonic()
     process.send_signal(signal.SIGTERM)
@@ -111,6 +114,7 @@ def test_a_sigterm_while_the_start_holds_the_main_thread_exits_143_leaving_nothi
     assert time.monotonic() - start < 20
     assert stderr.strip().splitlines()[-1].startswith("interrupted: the run had not started"), stderr
     assert _gone(child)
+    assert not (tmp_path / "claimed").exists()
 
 
 def test_a_start_that_raises_stops_what_it_began_and_says_so_in_one_line():
