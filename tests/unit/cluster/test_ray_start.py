@@ -125,3 +125,34 @@ def test_a_start_that_raises_stops_what_it_began_and_says_so_in_one_line():
             child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
             raise Exception("The current node timed out\nduring startup")
     assert _gone(child.pid)
+
+
+# Only Ray's dashboard agent is slowed, by a sitecustomize module on its PYTHONPATH: as an agent
+# importing on a loaded machine is.
+SLOW_AGENT = 'import sys, time\nif any("dashboard/agent.py" in argument for argument in sys.argv):\n    time.sleep(40)\n'
+START = "from nemo_rl_mtp.cluster.ray_cluster import init_ray\nfrom nemo_rl_mtp.config.load import load_config\ninit_ray(load_config(overrides=['cluster.start_timeout_s=600']).cluster)\n"
+
+
+@pytest.mark.slow
+def test_a_start_whose_raylet_dies_ends_then_in_one_line_naming_why_leaving_nothing(tmp_path):
+    """Ray 2.60's raylet aborts when its dashboard agent has not written its ports within 15 s
+    (fixed in Ray), which a loaded machine caused for three runs started side by side; the driver
+    then waited for it until cluster.start_timeout_s. The start ends when the raylet dies, naming
+    the agent, and no process of its Ray session is left (the agent outlives the raylet)."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_AGENT)
+    environment = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    completed = subprocess.run([sys.executable, "-c", START], cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 1, completed.stderr[-3000:]
+    line = completed.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: RayStartError: cluster: Ray failed to start after"), line
+    assert "its raylet exited (its dashboard agent did not write metrics_agent_port within the raylet's fixed 15 s" in line
+    session = line.split("; /", 1)[1].split("/logs/raylet.err", 1)[0]
+    left = [process for process in psutil.process_iter() if _names(process, "/" + session)]
+    assert left == [], [process.cmdline()[:2] for process in left]
+
+
+def _names(process: psutil.Process, text: str) -> bool:
+    try:
+        return any(text in argument for argument in process.cmdline())
+    except psutil.Error:
+        return False
