@@ -65,12 +65,13 @@ def main(argv: list[str] | None = None, default_config: str | Path | None = None
         cfg = load_pure_checked_config(args.config, args.overrides)
         check_installed_release(cfg)  # imports megatron-core: what the installed release can do
         from nemo_rl_mtp.grpo.loop import grpo_train
-        from nemo_rl_mtp.grpo.run import with_run_name
+        from nemo_rl_mtp.grpo.run import run_named
 
-        cfg = with_run_name(cfg)
-        # Checks the config against this machine and the run directory before any worker starts;
-        # resumes from the run directory's latest checkpoint when it has one.
-        history = grpo_train(cfg, overwrite=args.overwrite)
+        # Named here, for the resume hint; a run that fails before writing anything gives its
+        # claimed directory back. Checks the config against this machine and the run directory
+        # before any worker starts; resumes from the run directory's latest checkpoint if any.
+        with run_named(cfg) as cfg:
+            history = grpo_train(cfg, overwrite=args.overwrite)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -158,8 +158,15 @@ def _watch_start(done: threading.Event, started: float, limit_s: float, what: st
 
     deadline = time.monotonic() + limit_s
     signum = None
+    raylets = RayletWatch(started)
     while not done.is_set():
         left = deadline - time.monotonic()
+        died = raylets.death()
+        if died is not None and not done.is_set():
+            line = f"error: RayStartError: {_raylet_died(what, time.time() - started, died)}"
+            if died:  # its agents outlive it, no longer our descendants: found by its session directory
+                stop_processes_naming(str(Path(died).parent.parent))
+            _abandon_start(started, EXIT_ERROR, line)
         if left <= 0:
             if signum is not None:
                 _abandon_start(started, 128 + signum, "interrupted: the run had not started (Ray's start ignored the signal; its processes were stopped)")
@@ -175,12 +182,64 @@ def _watch_start(done: threading.Event, started: float, limit_s: float, what: st
                 deadline = min(deadline, time.monotonic() + SIGNAL_GRACE_S)
 
 
+class RayletWatch:
+    """The raylets a start began, seen as they start, and the first to die before the start
+    returned: Ray 2.60's raylet aborts when its dashboard agent has not written its ports within
+    15 s (fixed; on a loaded machine the agent's imports take longer), and the driver then waits
+    for it as long as Ray's start-up waits allow (``cluster.start_timeout_s``) for nothing."""
+
+    def __init__(self, started: float):
+        self.started = started
+        self.seen: dict[int, tuple[psutil.Process, Optional[str]]] = {}  # pid -> (process, its stderr file)
+
+    def death(self) -> Optional[str]:
+        """The stderr file (or "") of a raylet of this start that has exited; None while all live."""
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if child.pid not in self.seen and child.name() == "raylet" and child.create_time() >= self.started - 1:
+                        self.seen[child.pid] = (child, _flag(child.cmdline(), "--stderr_filepath"))
+        for process, stderr_file in self.seen.values():
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            return stderr_file or ""
+        return None
+
+
+def _flag(cmdline: list[str], name: str) -> Optional[str]:
+    return next((argument.split("=", 1)[1] for argument in cmdline if argument.startswith(name + "=")), None)
+
+
+def _raylet_died(what: str, after_s: float, stderr_file: str) -> str:
+    """The one line of a start whose raylet died: its own reason, from its stderr file."""
+    reason = "no reason in its log"
+    with contextlib.suppress(OSError):
+        for line in Path(stderr_file).read_text(errors="replace").splitlines():
+            if "Check failed" in line or " C " in line[:40] or "error" in line.lower():
+                reason = line.split("has_value() ", 1)[-1].split("] ", 1)[-1].strip()
+                break
+    if "Timed out waiting for file" in reason:
+        port_file = reason.rsplit("/", 1)[-1]
+        reason = f"its dashboard agent did not write {port_file.split('_port_')[0]}_port within the raylet's fixed 15 s"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (
+        f"cluster: Ray failed to {what} after {after_s:.0f} s: its raylet exited ({reason}; {stderr_file}); load average "
+        f"{load:.1f} on {os.cpu_count()} CPUs: the machine is too busy for Ray's own start-up waits, which no setting "
+        "raises; start when it is quieter"
+    )
+
+
 def _abandon_start(started: float, status: int, line: str) -> None:
+    from nemo_rl_mtp.reporting.console import hard_exit
+
     if not threading.main_thread().is_alive():
         return
     stop_processes_started_since(started)
     print(line, file=sys.stderr, flush=True)
-    os._exit(status)
+    hard_exit(status)
 
 
 def _start_failed(what: str, limit_s: float, after_s: Optional[float] = None, error: Optional[BaseException] = None) -> str:
@@ -211,6 +270,17 @@ def stop_processes_started_since(started: float) -> None:
             if child.create_time() >= started - 1:
                 child.kill()
                 killed.append(child)
+    psutil.wait_procs(killed, timeout=5)
+
+
+def stop_processes_naming(session_dir: str) -> None:
+    """Kill the processes whose command line names ``session_dir`` (a Ray session's own)."""
+    killed = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.pid != os.getpid() and any(session_dir in argument for argument in process.cmdline()):
+                process.kill()
+                killed.append(process)
     psutil.wait_procs(killed, timeout=5)
 
 

@@ -23,6 +23,7 @@ from nemo_rl_mtp.grpo.run import (
     keep_start_of_rl_policy,
     prepare_run,
     restore_prompt_order,
+    run_named,
     save_checkpoint,
 )
 from nemo_rl_mtp.reporting.logger import Logger, read_metrics
@@ -96,7 +97,13 @@ def build_train_batch(generation: dict[str, torch.Tensor], advantages: torch.Ten
 def grpo_train(cfg: MasterConfig, overwrite: bool = False) -> list[dict[str, float]]:
     """Run GRPO as configured, resuming from the run directory's latest complete checkpoint if it
     has one; returns the logged metrics of every step (earlier ones read back on a resume).
-    ``overwrite`` replaces an existing run directory instead of refusing it."""
+    ``overwrite`` replaces an existing run directory instead of refusing it. A run name claimed
+    here is given back if the run fails before writing anything (``run.run_named``)."""
+    with run_named(cfg) as named:
+        return _train(named, overwrite)
+
+
+def _train(cfg: MasterConfig, overwrite: bool) -> list[dict[str, float]]:
     from nemo_rl_mtp.cluster.policy import Policy
 
     run = prepare_run(cfg, overwrite)  # name, model, this machine, run directory, resume point

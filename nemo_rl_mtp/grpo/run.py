@@ -10,6 +10,7 @@ complete one with the most steps; a run restarted with the same run directory re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -19,7 +20,7 @@ import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from omegaconf import OmegaConf, read_write
@@ -77,11 +78,49 @@ def with_run_name(cfg: MasterConfig) -> MasterConfig:
     saved config.yaml, the resume hint and a resumed run all name the same directory. The name is
     claimed by creating its directory: runs started in the same second (two default runs side by
     side) get grpo-<date>-<time>-2, -3, ... instead of writing into one directory."""
+    return _named(cfg, claim_run_name(Path(cfg.logger.log_dir), _default_run_stem())) if cfg.logger.run_name is None else cfg
+
+
+@contextlib.contextmanager
+def run_named(cfg: MasterConfig) -> Iterator[MasterConfig]:
+    """``cfg`` with its run name (as :func:`with_run_name`) for the run in the block. A name
+    claimed here is given back when the block ends in an error or an interrupt before anything
+    was written into its directory (a config the preflight checks refuse, a data file that does
+    not open, a Ray that does not start): the claimed directory, still empty, is removed, so the
+    log directory gains no empty run directory that reads as a run. A directory holding anything
+    is kept, and a run name the user chose is never touched. A process ended by the Ray start's
+    watchdog (``reporting.console.hard_exit``) gives it back too."""
     if cfg.logger.run_name is not None:
-        return cfg
+        yield cfg
+        return
+    from nemo_rl_mtp.reporting.console import undone_on_hard_exit
+
+    stem = _default_run_stem()
+    name = _claim(Path(cfg.logger.log_dir), stem)
+    if name is None:  # log_dir not writable: nothing claimed, which the preflight checks report
+        yield _named(cfg, stem)
+        return
+
+    def give_back() -> None:
+        with contextlib.suppress(OSError):  # not empty: the run wrote into it, and it stays
+            (Path(cfg.logger.log_dir) / name).rmdir()
+
+    try:
+        with undone_on_hard_exit(give_back):  # also when a Ray start held in C++ is abandoned
+            yield _named(cfg, name)
+    except BaseException:
+        give_back()
+        raise
+
+
+def _default_run_stem() -> str:
+    return datetime.now().strftime("grpo-%Y%m%d-%H%M%S")
+
+
+def _named(cfg: MasterConfig, run_name: str) -> MasterConfig:
     named = copy.deepcopy(cfg)
     with read_write(named):
-        named.logger.run_name = claim_run_name(Path(cfg.logger.log_dir), datetime.now().strftime("grpo-%Y%m%d-%H%M%S"))
+        named.logger.run_name = run_name
     return named
 
 
@@ -89,6 +128,11 @@ def claim_run_name(log_dir: Path, stem: str) -> str:
     """The first of ``stem``, ``stem-2``, ``stem-3``, ... whose directory under ``log_dir`` this
     call creates (atomic: another process's claim of the same name fails). ``stem`` unclaimed
     where ``log_dir`` is not writable, which the preflight checks report."""
+    return _claim(log_dir, stem) or stem
+
+
+def _claim(log_dir: Path, stem: str) -> Optional[str]:
+    """:func:`claim_run_name`'s claim; None where ``log_dir`` is not writable (nothing claimed)."""
     attempt = 1
     while True:
         name = stem if attempt == 1 else f"{stem}-{attempt}"
@@ -98,7 +142,7 @@ def claim_run_name(log_dir: Path, stem: str) -> str:
         except FileExistsError:
             attempt += 1
         except OSError:
-            return stem
+            return None
 
 
 def run_directory(logger_cfg: LoggerConfig) -> Path:

@@ -9,10 +9,12 @@ driver twice under ``uv run`` (from the terminal, and forwarded by uv)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import warnings
+from typing import Callable, Iterator, NoReturn
 
 EXIT_CONFIG_ERROR = 2
 EXIT_ERROR = 1
@@ -37,6 +39,31 @@ def interrupt_once_on_signals() -> None:
 def interrupt_exit_status(interrupt: KeyboardInterrupt) -> int:
     """128 + the signal number, as shells report a process ended by that signal."""
     return 128 + (signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT)
+
+
+# What a process that ends with os._exit must still undo: a start held in C++ code, abandoned by a
+# watchdog thread, ends that way, and then no finally block and no atexit handler runs.
+_UNDO_ON_HARD_EXIT: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def undone_on_hard_exit(undo: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, ``undo()`` is called by :func:`hard_exit` (a run's claimed
+    directory, still empty, is given back so)."""
+    _UNDO_ON_HARD_EXIT.append(undo)
+    try:
+        yield
+    finally:
+        _UNDO_ON_HARD_EXIT.remove(undo)
+
+
+def hard_exit(status: int) -> NoReturn:
+    """``os._exit(status)`` (from a thread other than the held main thread), after what
+    :func:`undone_on_hard_exit` registered, newest first; an undo that fails is skipped."""
+    for undo in reversed(_UNDO_ON_HARD_EXIT):
+        with contextlib.suppress(Exception):
+            undo()
+    os._exit(status)
 
 
 def one_line(error: BaseException) -> str:

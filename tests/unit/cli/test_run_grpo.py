@@ -3,6 +3,7 @@ loads is the one its caller names, and the command runs from outside the checkou
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -49,3 +50,15 @@ def test_the_command_runs_outside_the_checkout(tmp_path, entry):
     refused = subprocess.run([*command, "grpo.num_prompts_per_step=0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert refused.returncode == EXIT_CONFIG_ERROR
     assert "grpo.num_prompts_per_step=0: must be in [1, inf)" in refused.stderr
+
+
+def test_a_run_refused_at_preflight_leaves_no_run_directory(tmp_path, capsys, signal_handlers_restored):
+    """The preflight checks (this machine's CPUs) run after the default run name is claimed by
+    creating its directory; the refused run gives it back, and says why in one line."""
+    too_many = (os.cpu_count() or 1) + 1
+    status = main([f"cluster.cpus_per_worker={too_many}", f"logger.log_dir={tmp_path}"])
+    error = capsys.readouterr().err.strip()
+    assert status == EXIT_CONFIG_ERROR
+    assert error.splitlines()[-1].startswith("config error: cluster.workers_per_node=1: needs")
+    assert f"cluster.cpus_per_worker={too_many}" in error
+    assert list(tmp_path.iterdir()) == []

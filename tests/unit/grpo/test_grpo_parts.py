@@ -139,3 +139,28 @@ def test_an_unwritable_log_dir_leaves_the_name_unclaimed_for_the_preflight_to_re
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert _claim(str(blocker / "logs")) == "grpo-20260101-120000"
+
+
+def test_a_claimed_run_name_is_given_back_only_by_a_run_that_wrote_nothing(tmp_path):
+    """A run that fails after claiming its name (refused at preflight, interrupted) removes the
+    empty directory it claimed; one that wrote into it keeps it; a name the user chose is left."""
+    from nemo_rl_mtp.config.load import ConfigError, load_config
+    from nemo_rl_mtp.grpo.run import run_directory, run_named
+
+    cfg = load_config(overrides=[f"logger.log_dir={tmp_path}"])
+    with pytest.raises(ConfigError):
+        with run_named(cfg) as named:
+            assert run_directory(named.logger).is_dir()
+            raise ConfigError("refused")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyboardInterrupt):
+        with run_named(cfg) as named:
+            (run_directory(named.logger) / "metrics.jsonl").write_text("{}\n")
+            raise KeyboardInterrupt
+    assert [path.name for path in tmp_path.iterdir()] == [named.logger.run_name]
+    assert (run_directory(named.logger) / "metrics.jsonl").read_text() == "{}\n"
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ConfigError):
+        with run_named(load_config(overrides=[f"logger.log_dir={tmp_path}", "logger.run_name=mine"])):
+            raise ConfigError("refused")
+    assert (tmp_path / "mine").is_dir()
