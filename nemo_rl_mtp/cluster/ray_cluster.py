@@ -21,11 +21,14 @@ cores), and Ray can hang in its C++ core for minutes, where no Python signal han
 local start therefore raises Ray's waits to that limit and switches off what a one-machine run
 does not use (``ray_compat.local_start_settings``; a variable the user set wins), and a watchdog
 thread ends a start that has not returned by then, or within seconds of a SIGINT / SIGTERM, with
-one line, after stopping every process the start had begun."""
+one line, after stopping every process the start had begun. Local starts on one machine take
+turns (:func:`one_local_start_at_a_time`): two starting together can each miss one of Ray's
+fixed waits."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import random
@@ -33,6 +36,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -73,7 +77,7 @@ def init_ray(cluster_cfg: ClusterConfig) -> None:
         if cluster_cfg.address is None:
             logger.info("starting a local Ray instance (within cluster.start_timeout_s=%g s)", limit_s)
             # "local": a new instance, even where a previous Ray left its address behind.
-            with local_start_environment(limit_s), workers_use_driver_environment(), bounded_start(limit_s, "start"):
+            with one_local_start_at_a_time(limit_s), local_start_environment(limit_s), workers_use_driver_environment(), bounded_start(limit_s, "start"):
                 ray.init(address="local", include_dashboard=False, log_to_driver=True)
             logger.info("started a local Ray instance: %s", ray.cluster_resources())
             return
@@ -85,6 +89,42 @@ def init_ray(cluster_cfg: ClusterConfig) -> None:
                 ray.init(address=cluster_cfg.address, log_to_driver=True)
     logger.info("joined Ray cluster at %s (workers' Python: %s)", cluster_cfg.address, _worker_python(cluster_cfg))
     check_nodes_start_workers(cluster_cfg)
+
+
+# Held by the run whose local Ray instance is starting; other runs on this machine wait for it.
+START_LOCK = Path(tempfile.gettempdir()) / "nemo_rl_mtp_ray_start.lock"
+
+
+@contextlib.contextmanager
+def one_local_start_at_a_time(limit_s: float, lock_path: Path = START_LOCK) -> Iterator[None]:
+    """Local Ray starts on one machine, one after the other: Ray 2.60's raylet aborts when its
+    dashboard agent has not written its ports within a fixed 15 s, which two agents starting
+    together on a loaded 2-core machine missed; and a failed start stops every process begun
+    since it started, which must not include another run's. Waits (logged) for the run holding
+    ``lock_path`` (an advisory lock, released when its holder's start ends or its process dies),
+    for at most ``limit_s``; then :class:`RayStartError` in one line."""
+    with open(lock_path, "a+") as lock_file:
+        waited, started = False, time.monotonic()
+        while True:
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waited:
+                    logger.info("another run on this machine is starting its Ray instance; waiting for it (at most %g s)", limit_s)
+                    waited = True
+                if time.monotonic() - started > limit_s:
+                    raise RayStartError(
+                        f"cluster: another run on this machine held {lock_path} (its Ray start) for more than "
+                        f"cluster.start_timeout_s={limit_s:g} s; raise it, or start when that run is up"
+                    ) from None
+                time.sleep(0.2)
+        if waited:
+            logger.info("the other run's Ray start ended after %.1f s; starting ours", time.monotonic() - started)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

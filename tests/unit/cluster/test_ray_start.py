@@ -156,3 +156,46 @@ def _names(process: psutil.Process, text: str) -> bool:
         return any(text in argument for argument in process.cmdline())
     except psutil.Error:
         return False
+
+
+def _hold_lock(lock_path, seconds: float) -> subprocess.Popen:
+    """Another process holding the start lock for ``seconds`` (as another run's Ray start would);
+    it says when it holds it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import fcntl, sys, time\nf = open({str(lock_path)!r}, 'a+')\nfcntl.flock(f, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep({seconds})"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_local_starts_on_one_machine_take_turns(tmp_path, caplog):
+    """A start waits while another process holds the lock, and goes on once that one lets go
+    (here by exiting); with nobody holding it (the control) it goes on at once."""
+    from nemo_rl_mtp.cluster.ray_cluster import one_local_start_at_a_time
+
+    lock_path = tmp_path / "start.lock"
+    started = time.monotonic()
+    with one_local_start_at_a_time(10, lock_path):
+        assert time.monotonic() - started < 1
+    holder = _hold_lock(lock_path, 2)
+    started = time.monotonic()
+    with caplog.at_level("INFO"), one_local_start_at_a_time(30, lock_path):
+        waited = time.monotonic() - started
+    assert waited > 1, waited  # the holder slept 2 s after taking the lock
+    holder.wait()
+    assert "another run on this machine is starting its Ray instance" in caplog.text
+
+
+def test_a_start_lock_held_past_the_limit_fails_in_one_line_naming_it(tmp_path):
+    from nemo_rl_mtp.cluster.ray_cluster import RayStartError, one_local_start_at_a_time
+
+    lock_path = tmp_path / "start.lock"
+    holder = _hold_lock(lock_path, 30)
+    try:
+        with pytest.raises(RayStartError, match=rf"^cluster: another run on this machine held {lock_path}.*start_timeout_s=1 s"):
+            with one_local_start_at_a_time(1, lock_path):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
