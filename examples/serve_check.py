@@ -205,7 +205,7 @@ def serve_check(args) -> dict:
     """Every figure of the check, as a dict (what ``--json`` writes)."""
     cfg = load_saved_config(args.config)
     python = vllm_python(args.vllm_python)
-    hf_ckpt_path = Path(args.hf_ckpt_path)
+    hf_ckpt_path = Path(args.hf_ckpt_path).resolve()  # vLLM runs in a scratch directory: a relative path would read as a hub id
     layers = export_mtp_layers(hf_ckpt_path)
     k = args.num_speculative_tokens
     held_out, env, tokenizer = held_out_prompts(cfg, hf_ckpt_path)
