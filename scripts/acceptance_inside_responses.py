@@ -16,7 +16,6 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
 from omegaconf import read_write
 
 from examples.serve_check import held_out_prompts
@@ -24,22 +23,7 @@ from nemo_rl_mtp.config.load import load_saved_config, resolve_checkpoint_keys
 from nemo_rl_mtp.rollout.engine import RolloutEngine
 from nemo_rl_mtp.training import hf_checkpoint
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
-from tests.support.helpers import eval_forward_logits, free_port
-
-
-def replayed_inside_responses(policy, rollouts) -> tuple[int, int]:
-    """Drafts proposed and accepted by greedy decoding with one draft per step, replayed from the
-    training forward: the draft from position j predicts token j + 2; accepted, the next comes
-    from j + 2, else from j + 1; a draft counts only if its token is in the response."""
-    depth_one = eval_forward_logits(policy, rollouts["tokens"], torch.ones_like(rollouts["tokens"]))[1][0].argmax(dim=-1)
-    proposed = accepted = 0
-    for row, (prompt_length, length) in enumerate(zip(rollouts["prompt_lengths"].tolist(), rollouts["lengths"].tolist())):
-        position = prompt_length - 1
-        while position + 2 < length:
-            right = bool(depth_one[row, position] == rollouts["tokens"][row, position + 2])
-            proposed, accepted = proposed + 1, accepted + right
-            position += 2 if right else 1
-    return proposed, accepted
+from tests.support.helpers import expected_draft_counts, free_port
 
 
 def main(config: str, export: str) -> None:
@@ -59,7 +43,7 @@ def main(config: str, export: str) -> None:
     rollouts = engine.generate([prompt.prompt_ids for prompt in held_out], tokenizer.eos_id, tokenizer.pad_id, seed=0, greedy=True)
     proposed, accepted = int(rollouts["draft_proposed"][0]), int(rollouts["draft_accepted"][0])
     print(f"engine's counts (val/): {accepted}/{proposed} = {100 * accepted / proposed:.1f}%")
-    proposed, accepted = replayed_inside_responses(policy, rollouts)
+    proposed, accepted = expected_draft_counts(policy, rollouts)
     print(f"drafts inside the responses: {accepted}/{proposed} = {100 * accepted / proposed:.1f}%")
 
 
