@@ -34,12 +34,15 @@ import contextlib
 import functools
 import inspect
 import itertools
+import logging
 from typing import Callable
 
 import torch
 from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
 from nemo_rl_mtp.megatron_compat import engine_access, engine_probes
+
+logger = logging.getLogger(__name__)
 
 
 class SpeculativeControllerHooks(TextGenerationController):
@@ -61,6 +64,9 @@ class SpeculativeControllerHooks(TextGenerationController):
         num_decode = arguments["num_decode_requests"]
         self.before_verifying_drafts(arguments["input_tokens_required"], num_decode)
         last_one_indices, accepted_tokens_mask, input_tokens = super()._verify_speculative_tokens(*args, **kwargs)
+        if not ends_at_accepted_end_of_sequence():
+            self.end_of_sequence_drafts = torch.zeros(num_decode, dtype=torch.long, device=last_one_indices.device)
+            return last_one_indices, accepted_tokens_mask, input_tokens
         # megatron keeps the end tokens in pinned host memory it rewrites as requests move: copied
         # first, so the asynchronous copy to the device cannot read a later step's.
         termination_ids = engine_access.termination_ids(self, num_decode).clone().to(input_tokens.device, non_blocking=True)
@@ -120,6 +126,26 @@ _VERIFY_SIGNATURE = (
     if hasattr(TextGenerationController, "_verify_speculative_tokens")
     else None
 )
+
+
+# The oldest release on which an accepted end-of-sequence draft is shown to end its request (the
+# release matrix: on 0.17.1 greedy responses then differed from those without speculation).
+END_AT_ACCEPTED_END_SINCE = (0, 18)
+
+
+@functools.cache
+def ends_at_accepted_end_of_sequence() -> bool:
+    """Whether the installed release gets :func:`end_at_accepted_end_of_sequence` (logged once
+    where it does not: requests there decode past an accepted end draft, and its drafts count)."""
+    from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
+
+    version = megatron_core_version()
+    release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    if release >= END_AT_ACCEPTED_END_SINCE:
+        return True
+    logger.info("megatron-core %s: a request does not end at an accepted end-of-sequence draft (shown from 0.18 on); "
+                "its later drafts count in the acceptance", version)  # fmt: skip
+    return False
 
 
 def end_at_accepted_end_of_sequence(
