@@ -199,3 +199,17 @@ def task_demonstrations(task: str, digit_prompts: list[list[int]], tokenizer) ->
     prompts = [prompt_ids(task, digits, tokenizer) for digits in digit_prompts]
     answers = [answer_ids(expected_answer(task, digits), tokenizer) for digits in digit_prompts]
     return demonstration_batch(prompts, answers, tokenizer.pad_id)
+
+
+def train_count_up(policy, cfg, steps: int = 40):
+    """``steps`` seeded imitation steps of count_up (64 prompts of 2-3 digits each): the heads
+    learn drafts that are often right. Returns ``policy``."""
+    from nemo_rl_mtp.training.imitation import imitation_step
+    from tests.support.engine_cases import TOKENIZER
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        lengths = torch.randint(2, 4, (64,), generator=generator)
+        digits = [torch.randint(0, 10, (int(n),), generator=generator).tolist() for n in lengths]
+        imitation_step(policy, task_demonstrations("count_up", digits, TOKENIZER), cfg)
+    return policy

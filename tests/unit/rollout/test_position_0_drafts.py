@@ -16,9 +16,8 @@ import torch  # noqa: E402
 
 from nemo_rl_mtp.megatron_compat import mtp_position_zero  # noqa: E402
 from nemo_rl_mtp.rollout.engine import RolloutEngine  # noqa: E402
-from nemo_rl_mtp.training.imitation import imitation_step  # noqa: E402
-from tests.support.engine_cases import PROMPTS, SIZES, TOKENIZER, engine_overrides, generate  # noqa: E402
-from tests.support.helpers import make_policy, task_demonstrations, tiny_config  # noqa: E402
+from tests.support.engine_cases import PROMPTS, SIZES, engine_overrides, generate  # noqa: E402
+from tests.support.helpers import make_policy, tiny_config, train_count_up  # noqa: E402
 from tests.unit.rollout.test_incremental_drafts import MIXED_STEPS, _check, draft_gaps  # noqa: E402, F401
 from tests.unit.rollout.test_sequence_drafts import (  # noqa: E402, F401
     DRAFT_CONTEXTS,
@@ -39,12 +38,7 @@ def trained_zeroing_policy(megatron_world):
     """Heads trained under the convention (imitation of count_up) until drafts are often right."""
     policy, cfg = make_policy(**engine_overrides(2, **SIZES), **ZEROED)
     assert mtp_position_zero.zeroes_position_0(policy.model.module)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(40):
-        lengths = torch.randint(2, 4, (64,), generator=generator)
-        digits = [torch.randint(0, 10, (int(n),), generator=generator).tolist() for n in lengths]
-        imitation_step(policy, task_demonstrations("count_up", digits, TOKENIZER), cfg)
-    return policy
+    return train_count_up(policy, cfg)
 
 
 def same_weights_without_zeroing(policy):
