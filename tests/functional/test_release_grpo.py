@@ -12,7 +12,8 @@ Ray workers, rollouts on the release's own inference engine, MTP training, check
 Releases: ``NEMO_RL_MTP_RELEASES`` (space-separated), default 0.16.1 0.17.1 0.18.2 0.19.2. The
 reference release's GRPO runs are ``test_grpo.py`` in the locked environment; here it runs only when
 named in ``NEMO_RL_MTP_RELEASES``. Each run costs its start-up (uv environment, imports, a local Ray
-instance, the worker), about a minute on 2 cores.
+instance, the worker), about a minute on 2 cores; the selected tests' runs start together when the
+first asks, two at a time (each keeps about one core busy).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,16 +53,49 @@ def _run_grpo(release: str, log_dir: Path, name: str, *overrides: str) -> subpro
     return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
 
 
+def _speculates(release: str) -> bool:
+    return ".".join(release.split(".")[:2]) not in WITHOUT_SPECULATION
+
+
+def _release_run(release: str, log_dir: Path) -> subprocess.CompletedProcess:
+    """One GRPO step with the speculation the release's engine has (auto where it has none)."""
+    minor = ".".join(release.split(".")[:2])
+    k = "1" if _speculates(release) else "auto"
+    return _run_grpo(release, log_dir, "run", f"policy.generation.num_speculative_tokens={k}", *RELEASE_OVERRIDES.get(minor, ()))
+
+
+# Runs at once: each keeps about one of the machine's cores busy.
+LANES = 2
+
+
+@pytest.fixture(scope="module")
+def release_runs(request, tmp_path_factory) -> dict[tuple[str, str], tuple[Future, Path]]:
+    """(test name, release) -> the run's future and its log directory, for the selected tests."""
+    runs_of = {
+        "test_grpo_runs_on_the_release_with_the_speculation_its_engine_has": _release_run,
+        "test_drafts_are_refused_in_one_line_before_any_worker_starts": lambda release, log_dir: _run_grpo(
+            release, log_dir, "refused", "policy.generation.num_speculative_tokens=1"
+        ),
+    }
+    selected = [item for item in request.session.items if item.module is request.module]
+    with ThreadPoolExecutor(max_workers=LANES) as pool:
+        runs = {}
+        for item in selected:
+            release, test = item.callspec.params["release"], item.originalname
+            log_dir = tmp_path_factory.mktemp(f"{release}-{test[:30]}")
+            runs[test, release] = pool.submit(runs_of[test], release, log_dir), log_dir
+        yield runs
+
+
 @pytest.mark.parametrize(
     "release", [release for release in RELEASES if release != mtp_release_matrix.REFERENCE_RELEASE or "NEMO_RL_MTP_RELEASES" in os.environ]
 )
-def test_grpo_runs_on_the_release_with_the_speculation_its_engine_has(release, tmp_path):
-    minor = ".".join(release.split(".")[:2])
-    speculates = minor not in WITHOUT_SPECULATION
-    k = "1" if speculates else "auto"
-    completed = _run_grpo(release, tmp_path, "run", f"policy.generation.num_speculative_tokens={k}", *RELEASE_OVERRIDES.get(minor, ()))
+def test_grpo_runs_on_the_release_with_the_speculation_its_engine_has(release, release_runs):
+    speculates = _speculates(release)
+    run, log_dir = release_runs["test_grpo_runs_on_the_release_with_the_speculation_its_engine_has", release]
+    completed = run.result()
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    (step,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    (step,) = read_metrics(log_dir / "run" / "metrics.jsonl")
     assert math.isfinite(step["train/loss"]) and step["train/mtp/mtp_1_loss"] > 0 and step["train/mtp/grad_norm"] > 0
     if speculates:
         assert step["rollout/draft_1_proposed"] > 0 and 0 <= step["rollout/draft_1_accepted"] <= step["rollout/draft_1_proposed"]
@@ -70,8 +105,8 @@ def test_grpo_runs_on_the_release_with_the_speculation_its_engine_has(release, t
 
 
 @pytest.mark.parametrize("release", [release for release in RELEASES if ".".join(release.split(".")[:2]) in WITHOUT_SPECULATION])
-def test_drafts_are_refused_in_one_line_before_any_worker_starts(release, tmp_path):
-    completed = _run_grpo(release, tmp_path, "refused", "policy.generation.num_speculative_tokens=1")
+def test_drafts_are_refused_in_one_line_before_any_worker_starts(release, release_runs):
+    completed = release_runs["test_drafts_are_refused_in_one_line_before_any_worker_starts", release][0].result()
     output = (completed.stdout + completed.stderr).strip().splitlines()
     assert completed.returncode == 2, output[-20:]
     assert output[-1].startswith(f"config error: policy.generation.num_speculative_tokens=1: megatron-core {release}: ")

@@ -7,10 +7,10 @@ lazy import that climbs a layer fails too.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import nemo_rl_mtp
+from tests.support import import_graph
 
 PACKAGE = Path(nemo_rl_mtp.__file__).parent
 
@@ -30,26 +30,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
-    parts = path.relative_to(package.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return import_graph.module_name(path, root=package.parent)
 
 
 def imported_modules(path: Path, package: Path = PACKAGE) -> set[str]:
     """Package modules ``path`` imports (absolute names; relative imports resolved)."""
-    name = module_name(path, package)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-    return {module for module in found if module.split(".")[0] == "nemo_rl_mtp"}
+    return {module for module in import_graph.imported_names(path, root=package.parent) if module.split(".")[0] == "nemo_rl_mtp"}
 
 
 def room_of(module: str) -> str | None:
@@ -125,3 +111,31 @@ def test_the_checker_sees_a_lazy_climbing_import(tmp_path):
     found = imported_modules(fake, package=tmp_path / "nemo_rl_mtp")
     assert "nemo_rl_mtp.rollout.engine" in found
     assert layer_of(room_of("nemo_rl_mtp.rollout.engine")) < layer_of(room_of("nemo_rl_mtp.config.bad"))
+
+
+def _write(root: Path, relative: str, text: str) -> Path:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_the_release_matrix_reader_follows_lazy_imports_and_started_processes(tmp_path):
+    """The release matrix leaves out, on older releases, the test files that cannot import
+    megatron (``import_graph.can_import``): a lazy import two modules away, code run with
+    ``python -c`` and a checkout script named by a string must each count; a file without any
+    must not."""
+    _write(tmp_path, "nemo_rl_mtp/__init__.py", "")
+    _write(tmp_path, "nemo_rl_mtp/deep.py", "def build():\n    import megatron.core\n")
+    _write(tmp_path, "nemo_rl_mtp/middle.py", "from nemo_rl_mtp import deep\n")
+    _write(tmp_path, "nemo_rl_mtp/light.py", "import json\n")
+    _write(tmp_path, "examples/run_it.py", "import nemo_rl_mtp.middle\n")
+    cases = {
+        "lazy": ("def test():\n    from nemo_rl_mtp.middle import deep\n", True),
+        "python -c": ("CODE = 'from nemo_rl_mtp.deep import build; build()'\n", True),
+        "script": ("COMMAND = ['python', 'examples', 'run_it.py']\n", True),
+        "none": ("import nemo_rl_mtp.light\nTEXT = 'nothing is imported here'\n", False),
+    }
+    for name, (text, expected) in cases.items():
+        path = _write(tmp_path, f"tests/test_{name.replace(' ', '_')}.py", text)
+        assert import_graph.can_import(path, "megatron", root=tmp_path) == expected, name
