@@ -105,26 +105,46 @@ def log_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("runs")
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(log_dir) -> list[dict]:
-    completed = _run(_command(log_dir, "uninterrupted"))
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return read_metrics(log_dir / "uninterrupted" / "metrics.jsonl")
-
-
 # Sampled rollouts (temperature 1) and dropout in the training forwards: a resumed run is exact
 # only if every random state (torch's, megatron's RNG tracker) comes back with the checkpoint.
 SAMPLED_WITH_DROPOUT = ("policy.generation.top_k=0", "policy.megatron_cfg.hidden_dropout=0.1", "policy.megatron_cfg.attention_dropout=0.1")
 
 
+class Uninterrupted:
+    """The runs the interrupted ones are compared with, started in the background when the module's
+    first test asks (while it runs its own): ``"uninterrupted"`` (greedy) and
+    ``"uninterrupted_sampled"`` (sampled, with dropout)."""
+
+    OVERRIDES = {"uninterrupted": (), "uninterrupted_sampled": SAMPLED_WITH_DROPOUT}
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.processes = {}
+        for name, overrides in self.OVERRIDES.items():
+            with open(log_dir / f"{name}.stderr", "w") as stderr:  # a file: a pipe nobody reads would fill
+                self.processes[name] = subprocess.Popen(_command(log_dir, name, *overrides), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+
+    def metrics(self, name: str) -> list[dict]:
+        """The run's metrics, once it has finished."""
+        returncode = self.processes[name].wait(timeout=900)
+        assert returncode == 0, (self.log_dir / f"{name}.stderr").read_text()[-3000:]
+        return read_metrics(self.log_dir / name / "metrics.jsonl")
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
 @pytest.fixture(scope="module")
-def uninterrupted_sampled(log_dir) -> list[dict]:
-    completed = _run(_command(log_dir, "uninterrupted_sampled", *SAMPLED_WITH_DROPOUT))
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return read_metrics(log_dir / "uninterrupted_sampled" / "metrics.jsonl")
+def uninterrupted(log_dir):
+    runs = Uninterrupted(log_dir)
+    yield runs
+    runs.stop()
 
 
-def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted_sampled):
+def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted):
     """With sampled rollouts and dropout, so that a resume which lost a random state would differ
     (shown by breaking the restore of the RNG states: the losses after the resume then differ)."""
     metrics = log_dir / "killed" / "metrics.jsonl"
@@ -137,7 +157,7 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics_bit_exactly(
     assert "resuming" in resumed.stderr
     rows = read_metrics(metrics)
     assert [row["step"] for row in rows] == list(range(STEPS))
-    assert _comparable(rows) == _comparable(uninterrupted_sampled)  # MTP and rollout metrics included
+    assert _comparable(rows) == _comparable(uninterrupted.metrics("uninterrupted_sampled"))  # MTP and rollout metrics included
     assert any(row["train/probs_ratio"] != 1.0 for row in rows)  # dropout did act on the training forwards
 
 
@@ -156,7 +176,7 @@ def test_kill_9_during_a_save_leaves_no_checkpoint_that_resume_would_take(log_di
     assert _steps_saved(checkpoints) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}.partial"]
     resumed = _run(_command(log_dir, "killed_saving"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _comparable(read_metrics(log_dir / "killed_saving" / "metrics.jsonl")) == _comparable(uninterrupted)
+    assert _comparable(read_metrics(log_dir / "killed_saving" / "metrics.jsonl")) == _comparable(uninterrupted.metrics("uninterrupted"))
     assert not [path for path in checkpoints.iterdir() if path.name.endswith(".partial")]
     assert _steps_saved(checkpoints) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"]
 
@@ -223,7 +243,7 @@ def test_a_data_parallel_two_checkpoint_resumes_at_data_parallel_one(log_dir, un
     assert second_half.returncode == 0, second_half.stderr[-3000:]
     resumed = _comparable(read_metrics(log_dir / "dp2_then_dp1" / "metrics.jsonl"), EXTRA_VALIDATION)
     assert [row["step"] for row in resumed] == list(range(STEPS))
-    for row_expected, row_resumed in zip(_comparable(uninterrupted, EXTRA_VALIDATION), resumed):
+    for row_expected, row_resumed in zip(_comparable(uninterrupted.metrics("uninterrupted"), EXTRA_VALIDATION), resumed):
         assert row_resumed.keys() == row_expected.keys()
         for key, value in row_expected.items():
             assert row_resumed[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (row_expected["step"], key)
@@ -233,6 +253,7 @@ def test_checkpoints_hold_no_callables(log_dir, uninterrupted):
     """NeMo-RL's caveat: ``mtp_grad_scale_func`` must never land in a saved config."""
     from megatron.core import dist_checkpointing
 
+    uninterrupted.metrics("uninterrupted")  # finished
     latest = log_dir / "uninterrupted" / "checkpoints" / f"step_{STEPS:06d}"
     common = dist_checkpointing.load_common_state_dict(str(latest / "policy"))
 
