@@ -37,7 +37,7 @@ def measure(reference_dir: Path, save_reference: bool, shims: bool) -> list[dict
     if not shims:
         compat.apply_mtp_compat_shims = lambda: []
 
-    from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
+    from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
     from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
     from nemo_rl_mtp.training.step import forward_backward_global_batch
     from nemo_rl_mtp.grpo.checked_config import load_checked_config

@@ -8,7 +8,7 @@ def pytest_sessionstart(session):
     """Under the release matrix, make sure the intended megatron-core is the one imported."""
     expected = os.environ.get("NEMO_RL_MTP_EXPECT_RELEASE")
     if expected:
-        from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
+        from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
 
         installed = megatron_core_version()
         if installed.split("+")[0] != expected:

@@ -16,8 +16,8 @@ import inspect
 
 from nemo_rl_mtp.config.checks import ConfigError
 from nemo_rl_mtp.config.schema import GLOBAL_BATCH_AUX_LOSS
-from nemo_rl_mtp.megatron_compat import engine_release, mtp_loss_callable
-from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
+from nemo_rl_mtp.megatron_compat import engine_release
+from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
 
 
 def check_installed_release(cfg) -> None:
@@ -90,6 +90,8 @@ def unsupported_mtp_features(megatron_cfg) -> list[str]:
 def check_mtp_features_supported(megatron_cfg) -> None:
     """Raise before any worker starts if the config asks for an MTP feature this release lacks."""
     if megatron_cfg.mtp_num_layers and megatron_cfg.mtp_loss_type != "cross_entropy":
+        from nemo_rl_mtp.megatron_compat import mtp_loss_callable  # imports megatron-core
+
         reason = mtp_loss_callable.unsupported_reason()
         if reason is not None:
             raise ValueError(

@@ -137,7 +137,7 @@ END_AT_ACCEPTED_END_SINCE = (0, 18)
 def ends_at_accepted_end_of_sequence() -> bool:
     """Whether the installed release gets :func:`end_at_accepted_end_of_sequence` (logged once
     where it does not: requests there decode past an accepted end draft, and its drafts count)."""
-    from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
+    from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
 
     version = megatron_core_version()
     release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())

@@ -36,7 +36,7 @@ class TokenIdsAsText:
 
 
 def megatron_release() -> str:
-    from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
+    from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
 
     return f"megatron-core {megatron_core_version()}"
 

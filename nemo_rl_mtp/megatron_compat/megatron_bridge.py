@@ -68,7 +68,7 @@ def bridge_unavailable() -> str | None:
     try:
         import_megatron_bridge()
     except ImportError as error:
-        from nemo_rl_mtp.megatron_compat.shims import megatron_core_version
+        from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
 
         return (
             f"megatron-bridge {importlib.metadata.version('megatron-bridge')} does not import on megatron-core "

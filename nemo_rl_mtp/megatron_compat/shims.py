@@ -15,11 +15,11 @@ string), switches itself off where upstream has the fix, is idempotent, and says
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from dataclasses import dataclass
 
 from nemo_rl_mtp.megatron_compat import grad_scale
+from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
 from nemo_rl_mtp.megatron_compat import metrics_tracker
 from nemo_rl_mtp.megatron_compat import mtp_loss_callable
 from nemo_rl_mtp.megatron_compat import recompute
@@ -44,15 +44,6 @@ class ShimOutcome:
     name: str
     status: str  # "applied" | "skipped"
     detail: str
-
-
-def megatron_core_version() -> str:
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH
-        import megatron.core
-
-        return getattr(megatron.core, "__version__", "unknown")
 
 
 def apply_mtp_compat_shims() -> list[ShimOutcome]:

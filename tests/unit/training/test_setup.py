@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_rl_mtp.megatron_compat import shims
+from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
 from nemo_rl_mtp.training.model import (
     _apply_mtp_config,
     build_transformer_config,
@@ -36,7 +36,7 @@ FIELD_SINCE = {"mtp_use_repeated_layer": (0, 17), "mtp_detach_heads": (0, 19)}
 
 
 def _release() -> tuple[int, int]:
-    major, minor = shims.megatron_core_version().split("+")[0].split(".")[:2]
+    major, minor = megatron_core_version().split("+")[0].split(".")[:2]
     return int(major), int(minor)
 
 
