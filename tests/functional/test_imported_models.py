@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,9 +56,42 @@ def math_command(files, run_name: str) -> list[str]:
     ]  # fmt: skip
 
 
+class KilledThenResumed:
+    """The math run killed with SIGKILL near its end, then run again (which resumes it), in a
+    thread started with the module: it runs beside the in-process runs (each keeps about one core
+    busy)."""
+
+    def __init__(self, files):
+        self.command = [sys.executable, str(REPO_ROOT / "examples" / "run_grpo.py"), *math_command(files, "math_killed")]
+        self.metrics = files["logs"] / "math_killed" / "metrics.jsonl"
+        self.outcome: subprocess.CompletedProcess | BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            _kill_when(self.command, lambda: self.metrics.is_file() and len(read_metrics(self.metrics)) >= MATH_STEPS - 1)
+            self.outcome = subprocess.run(self.command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+        except BaseException as error:  # raised in the test that asks
+            self.outcome = error
+
+    def resumed(self) -> subprocess.CompletedProcess:
+        self.thread.join(timeout=1200)
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        assert self.outcome is not None, "the killed run did not finish"
+        return self.outcome
+
+
 @pytest.fixture(scope="module")
-def runs(files):
-    """Each configuration once, in this process, on one local Ray instance."""
+def math_killed(files) -> KilledThenResumed:
+    return KilledThenResumed(files)
+
+
+@pytest.fixture(scope="module")
+def runs(files, math_killed):
+    """Each configuration once, in this process, on one local Ray instance (``math_killed``, which
+    they do not need, is started first, to run beside them)."""
     digits = ["--config", str(CONFIGS / "grpo_mtp_tiny_mimo_cpu.yaml"), *SMALL_GRPO_STEP, *QUIET]
     untouched = ["grpo.max_num_steps=0", "grpo.warmup_imitation_steps=0", "cluster.workers_per_node=2"]
     configs = {
@@ -131,13 +165,10 @@ def test_the_math_environment_trains_from_a_dataset_and_logs_validation_accuracy
     assert 0.0 <= rows[-1]["val/accuracy"] <= 1.0 and rows[-1]["train/answer_rate"] > 0
 
 
-def test_a_dataset_run_killed_with_sigkill_resumes_the_same_prompt_order(runs, files):
+def test_a_dataset_run_killed_with_sigkill_resumes_the_same_prompt_order(runs, math_killed):
     """Sampled rollouts and the dataset's shuffled order: the resumed run's metrics equal the
     uninterrupted run's (the ``math`` run) bit for bit, rewards included."""
-    command = [sys.executable, str(REPO_ROOT / "examples" / "run_grpo.py"), *math_command(files, "math_killed")]
-    metrics = files["logs"] / "math_killed" / "metrics.jsonl"
-    _kill_when(command, lambda: metrics.is_file() and len(read_metrics(metrics)) >= MATH_STEPS - 1)
-    resumed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    resumed = math_killed.resumed()
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stderr
 
@@ -146,7 +177,7 @@ def test_a_dataset_run_killed_with_sigkill_resumes_the_same_prompt_order(runs, f
         return [{key: value for key, value in row.items() if not key.startswith(TIMING_KEYS + ("val/",))} for row in rows]
 
     uninterrupted = read_metrics(runs["math"] / "metrics.jsonl")
-    assert comparable(read_metrics(metrics)) == comparable(uninterrupted)
+    assert comparable(read_metrics(math_killed.metrics)) == comparable(uninterrupted)
 
 
 def test_bad_inputs_end_in_one_line_before_any_worker_starts(files, tmp_path):
