@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.helpers import release_of
 from tests.support.import_graph import can_import
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,7 @@ def release_runs(request, tmp_path_factory) -> dict[str, Future]:
     """The selected tests' runs, started together, ``LANES`` at a time: ``"matrix"`` for
     ``run_matrix``, each release's suite under its name (the completed process and its JUnit report)."""
     selected = [item for item in request.session.items if item.module is request.module]
-    releases = [item.callspec.params["release"] for item in selected if hasattr(item, "callspec")]
+    releases = [release for release in map(release_of, selected) if release is not None]
     with ThreadPoolExecutor(max_workers=LANES) as pool:
         runs = {release: pool.submit(_run_suite, release, tmp_path_factory.mktemp(f"suite-{release}")) for release in releases}
         if any(item.name == "test_every_release_matches_0_19_2" for item in selected):

@@ -213,3 +213,11 @@ def train_count_up(policy, cfg, steps: int = 40):
         digits = [torch.randint(0, 10, (int(n),), generator=generator).tolist() for n in lengths]
         imitation_step(policy, task_demonstrations("count_up", digits, TOKENIZER), cfg)
     return policy
+
+
+def release_of(item) -> str | None:
+    """The megatron-core release a collected test item is parametrized with (``release``); None
+    for an item without one, or for an empty parameter set, which pytest skips."""
+    callspec = getattr(item, "callspec", None)
+    release = callspec.params["release"] if callspec is not None and "release" in callspec.params else None
+    return release if isinstance(release, str) else None
