@@ -21,7 +21,6 @@ What the engine needs from us around each rollout:
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 
 import torch
@@ -61,11 +60,7 @@ class RolloutEngine:
     def use_speculative_tokens(self, k: int) -> None:
         """Rebuild the engine for ``k`` drafts per step if it has another number."""
         if k != self.num_speculative_tokens:
-            self.engine = None
-            # The old engine's memory (its KV buffer) goes before the new one's comes: megatron's
-            # engine, context and controller refer to each other, so dropping the reference frees
-            # nothing until the garbage collector runs (each rebuild kept one more engine alive).
-            gc.collect()
+            self.engine = None  # the old engine's memory goes before the new one's comes
             self.engine = build_engine(self.policy.model.module, self.policy_cfg, k)
             self.num_speculative_tokens = k
 
