@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from nemo_rl_mtp.reporting.logger import read_metrics
-from tests.support.helpers import SMALL_GRPO_STEP, release_of
+from tests.support.helpers import RUNS_AT_ONCE, SMALL_GRPO_STEP, release_of
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +64,6 @@ def _release_run(release: str, log_dir: Path) -> subprocess.CompletedProcess:
     return _run_grpo(release, log_dir, "run", f"policy.generation.num_speculative_tokens={k}", *RELEASE_OVERRIDES.get(minor, ()))
 
 
-# Runs at once: each keeps about one of the machine's cores busy.
-LANES = 2
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +77,7 @@ def release_runs(request, tmp_path_factory) -> dict[tuple[str, str], tuple[Futur
     }
     # (An empty parameter set leaves an item without a release: pytest skips it.)
     selected = [item for item in request.session.items if item.module is request.module and release_of(item) is not None]
-    with ThreadPoolExecutor(max_workers=LANES) as pool:
+    with ThreadPoolExecutor(max_workers=RUNS_AT_ONCE) as pool:
         runs = {}
         for item in selected:
             release, test = release_of(item), item.originalname

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import release_of
+from tests.support.helpers import RUNS_AT_ONCE, release_of
 from tests.support.import_graph import can_import
 
 pytestmark = pytest.mark.slow
@@ -43,18 +43,16 @@ MTP_TEST_FILES = [
 ]
 
 
-# Release runs at once: each keeps about one of the machine's cores busy.
-LANES = 2
 OLDER_RELEASES = [release for release in RELEASES if release != mtp_release_matrix.REFERENCE_RELEASE]
 
 
 @pytest.fixture(scope="module")
 def release_runs(request, tmp_path_factory) -> dict[str, Future]:
-    """The selected tests' runs, started together, ``LANES`` at a time: ``"matrix"`` for
+    """The selected tests' runs, started together, ``RUNS_AT_ONCE`` at a time: ``"matrix"`` for
     ``run_matrix``, each release's suite under its name (the completed process and its JUnit report)."""
     selected = [item for item in request.session.items if item.module is request.module]
     releases = [release for release in map(release_of, selected) if release is not None]
-    with ThreadPoolExecutor(max_workers=LANES) as pool:
+    with ThreadPoolExecutor(max_workers=RUNS_AT_ONCE) as pool:
         runs = {release: pool.submit(_run_suite, release, tmp_path_factory.mktemp(f"suite-{release}")) for release in releases}
         if any(item.name == "test_every_release_matches_0_19_2" for item in selected):
             runs["matrix"] = pool.submit(mtp_release_matrix.run_matrix, RELEASES)

@@ -215,6 +215,11 @@ def train_count_up(policy, cfg, steps: int = 40):
     return policy
 
 
+# Independent runs (a GRPO run, another release's suite) started at once: each keeps about one of
+# the machine's cores busy.
+RUNS_AT_ONCE = 2
+
+
 def release_of(item) -> str | None:
     """The megatron-core release a collected test item is parametrized with (``release``); None
     for an item without one, or for an empty parameter set, which pytest skips."""
