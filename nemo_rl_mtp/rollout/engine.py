@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from nemo_rl_mtp.megatron_compat import engine_access, engine_probes, engine_release, kv_rewind
+from nemo_rl_mtp.megatron_compat import engine_access, engine_probes, engine_release, engine_teardown, kv_rewind
 from nemo_rl_mtp.rollout import auto_k, bookkeeping, controllers, incremental_drafts
 from nemo_rl_mtp.rollout.speculation import speculation_counts
 from nemo_rl_mtp.megatron_compat.cpu import inference_runtime as cpu_inference_runtime
@@ -60,7 +60,9 @@ class RolloutEngine:
     def use_speculative_tokens(self, k: int) -> None:
         """Rebuild the engine for ``k`` drafts per step if it has another number."""
         if k != self.num_speculative_tokens:
-            self.engine = None  # the old engine's memory goes before the new one's comes
+            replaced, self.engine = self.engine, None
+            engine_teardown.release(replaced)  # the old engine's memory goes before the new one's comes
+            del replaced
             self.engine = build_engine(self.policy.model.module, self.policy_cfg, k)
             self.num_speculative_tokens = k
 

@@ -4,14 +4,17 @@ k = 0 where drafts are rarely accepted, the trainer's forecast reaching the choi
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
 
 from nemo_rl_mtp.rollout import auto_k as adaptive_speculation
 from nemo_rl_mtp.rollout.auto_k import AdaptiveSpeculation, batch_bucket, forecast_from_metrics
-from nemo_rl_mtp.rollout.engine import RolloutEngine
+from nemo_rl_mtp.megatron_compat import engine_teardown
+from nemo_rl_mtp.rollout.engine import RolloutEngine, build_engine
 from nemo_rl_mtp.config.load import ConfigError
 from tests.support.helpers import make_policy, recompute_sampler, tiny_config
 from tests.support.release_gates import on_this_release
@@ -249,3 +252,52 @@ def test_on_a_gpu_the_cost_model_knows_its_ratios_replace_the_profile_of_draftin
     assert list(ratios) == [0, 1, 2] and ratios[0] == 1.0 and 1.0 < ratios[1] < ratios[2]
     for device_name in ("NVIDIA A10G", None):
         assert adaptive_speculation.gpu_step_cost_ratios(model.config, model.vocab_size, device_name, 32, 512, 2) is None
+
+
+@requires_speculation
+@pytest.mark.usefixtures("megatron_world")
+def test_a_rebuilt_engine_frees_the_one_it_replaces_without_a_collection():
+    """auto rebuilds the engine when k changes. megatron's engine, controller and context refer to
+    each other, so a dropped engine (its KV buffer) lingered until a garbage collection: measured,
+    every rebuild kept one more alive. Here collection is off throughout: each replaced engine
+    must be gone the moment it is replaced. Control: an engine built and dropped without the
+    teardown survives exactly where the teardown's probe finds a cycle."""
+    policy, cfg = make_policy(**engine_overrides("auto", 1))
+    engine = RolloutEngine(policy, cfg)
+    gc.collect()
+    gc.disable()
+    try:
+        for k in (1, 0, 1, 0):
+            replaced = weakref.ref(engine.engine)
+            engine.use_speculative_tokens(k)
+            assert replaced() is None, f"the engine replaced by k={k} is still alive"
+        orphan = build_engine(policy.model.module, cfg, 1)
+        has_cycle = engine_teardown.refers_back_to(orphan, [orphan.controller, orphan.context])
+        orphan = weakref.ref(orphan)
+        assert (orphan() is not None) == has_cycle, "the probe and reference counting disagree on whether an engine frees itself"
+    finally:
+        gc.enable()
+        gc.collect()
+
+
+def test_the_teardown_probe_finds_a_way_back_and_only_a_real_one():
+    """The probe against objects whose references are known: a cycle through a bound method
+    three references deep is found; the same objects without the back reference, and a cycle
+    deeper than the probe looks, are not."""
+
+    class Part:
+        def callback(self):
+            return None
+
+    engine, controller, context = Part(), Part(), Part()
+    engine.controller, engine.context = controller, context
+    controller.callbacks = {"stop": None}
+    context.buffer = [1, 2]
+    assert not engine_teardown.refers_back_to(engine, [controller, context])
+    controller.callbacks["stop"] = engine.callback  # controller -> dict -> dict -> method -> engine
+    assert engine_teardown.refers_back_to(engine, [controller, context])
+    deep = engine
+    for _ in range(engine_teardown.PROBE_DEPTH + 2):
+        deep = [deep]
+    controller.callbacks["stop"] = deep
+    assert not engine_teardown.refers_back_to(engine, [controller, context])
