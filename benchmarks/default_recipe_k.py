@@ -1,0 +1,134 @@
+"""Whole GRPO runs of the default recipe at k = 0, 1 and auto, side by side: what ``auto`` costs
+or buys where users run it.
+
+    uv run python -m benchmarks.default_recipe_k [--rounds 3] [--beside-load] [key=value ...]
+
+Each round runs ``examples/run_grpo.py`` once per k (same seed, each its own run directory), the
+order rotated from round to round so that a drift of the machine does not fall on one k. Per run:
+the medians over its steps of ``timing/generation_s``, ``timing/logprobs_s``, ``timing/train_s``
+and ``timing/step_s`` (start-up is not in them), the largest resident memory of the run's process
+tree, and for auto how often it chose each k. Then, per round, auto's generation and step medians
+against k = 0's, k = 1's and the better of the two; the issue's goal is auto within 3% of the
+better (a ratio of at most 1.03).
+
+``--beside-load`` runs a second CPU-bound process (a one-thread matmul loop, as in
+``benchmarks.rollout_throughput``) beside all the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from benchmarks.rollout_throughput import beside_load
+from nemo_rl_mtp.metrics import GENERATION_SECONDS, LOGPROBS_SECONDS, NUM_SPECULATIVE_TOKENS, ROLLOUT, STEP_SECONDS, TIMING, TRAIN_SECONDS
+from nemo_rl_mtp.reporting.logger import read_metrics
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PHASES = {"generation": GENERATION_SECONDS, "logprobs": LOGPROBS_SECONDS, "training": TRAIN_SECONDS, "whole step": STEP_SECONDS}
+CHOSEN_K = ROLLOUT + NUM_SPECULATIVE_TOKENS
+KS = ("0", "1", "auto")
+
+
+def peak_tree_memory_mb(process: subprocess.Popen, peak: list[float]) -> None:
+    """Sample the resident memory of ``process`` and its descendants every second into ``peak``."""
+    try:
+        root = psutil.Process(process.pid)
+        while process.poll() is None:
+            members = [root, *root.children(recursive=True)]
+            total = 0
+            for member in members:
+                with contextlib.suppress(psutil.Error):
+                    total += member.memory_info().rss
+            peak[0] = max(peak[0], total / 2**20)
+            time.sleep(1.0)
+    except psutil.Error:
+        return
+
+
+def one_run(k: str, overrides: list[str], run_root: Path, name: str) -> dict:
+    """``examples/run_grpo.py`` at ``k``; its per-phase medians, peak memory and auto's choices."""
+    command = [
+        sys.executable, str(REPO_ROOT / "examples" / "run_grpo.py"),
+        f"policy.generation.num_speculative_tokens={k}", f"logger.log_dir={run_root}", f"logger.run_name={name}", *overrides,
+    ]  # fmt: skip
+    started = time.monotonic()
+    with open(run_root / f"{name}.log", "w") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        peak = [0.0]
+        sampler = threading.Thread(target=peak_tree_memory_mb, args=(process, peak), daemon=True)
+        sampler.start()
+        status = process.wait()
+        sampler.join()
+    if status != 0:
+        raise SystemExit(f"the k={k} run exited with status {status}; its output: {run_root / f'{name}.log'}")
+    rows = [row for row in read_metrics(run_root / name / "metrics.jsonl") if TIMING + STEP_SECONDS in row]
+    result = {phase: statistics.median(row[TIMING + key] for row in rows) for phase, key in PHASES.items()}
+    result["per_step"] = {phase: [row[TIMING + key] for row in rows] for phase, key in PHASES.items()}
+    result.update(k=k, steps=len(rows), wall_s=time.monotonic() - started, peak_mb=peak[0])
+    result["choices"] = collections.Counter(int(row[CHOSEN_K]) for row in rows if CHOSEN_K in row)
+    return result
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| round | k | " + " | ".join(f"{phase} (s)" for phase in PHASES) + " | peak memory (MB) | whole command (s) | auto's choices |",
+        "|---|---|" + "---|" * (len(PHASES) + 3),
+    ]
+    for result in results:
+        choices = ", ".join(f"k = {k} in {n}" for k, n in sorted(result["choices"].items())) if result["k"] == "auto" else ""
+        medians = " | ".join(f"{result[phase]:.3f}" for phase in PHASES)
+        lines.append(f"| {result['round']} | {result['k']} | {medians} | {result['peak_mb']:,.0f} | {result['wall_s']:.0f} | {choices} |")
+    return "\n".join(lines)
+
+
+def ratios(results: list[dict]) -> str:
+    """auto's medians over k = 0's, k = 1's and the better one's: per round, and over the steps of
+    every round pooled (each k ran once in each position of the order when the rounds are a
+    multiple of three, so a drift of the machine falls on every k alike)."""
+    lines = ["| round | phase | auto / k = 0 | auto / k = 1 | auto / better |", "|---|---|---|---|---|"]
+    rounds = sorted({result["round"] for result in results})
+    for round_number in [*rounds, "all"]:
+        chosen = [result for result in results if round_number in ("all", result["round"])]
+        for phase in ("generation", "whole step"):
+            median = {k: statistics.median(value for result in chosen if result["k"] == k for value in result["per_step"][phase]) for k in KS}
+            auto, k0, k1 = median["auto"], median["0"], median["1"]
+            lines.append(f"| {round_number} | {phase} | {auto / k0:.3f} | {auto / k1:.3f} | {auto / min(k0, k1):.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="a multiple of 3 puts each k once in each position of the order")
+    parser.add_argument("--beside-load", action="store_true", help="run a second CPU-bound process (a one-thread matmul loop) beside all the runs")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="default_recipe_k_") as root, beside_load() if args.beside_load else contextlib.nullcontext():
+        for round_number in range(1, args.rounds + 1):
+            shift = (round_number - 1) % len(KS)
+            for k in KS[shift:] + KS[:shift]:
+                result = one_run(k, args.overrides, Path(root), f"round{round_number}_k{k}")
+                result["round"] = round_number
+                results.append(result)
+                print(f"round {round_number}, k = {k}: generation {result['generation']:.3f} s, step {result['whole step']:.3f} s (medians of {result['steps']} steps), {result['wall_s']:.0f} s", flush=True)
+    load = "a one-thread matmul loop beside the runs" if args.beside_load else "nothing else started"
+    print(f"\n{os.cpu_count()} CPUs; {load}; load average now {os.getloadavg()[0]:.1f}\n")
+    print(table(results))
+    print()
+    print(ratios(results))
+
+
+if __name__ == "__main__":
+    main()
