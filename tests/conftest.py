@@ -15,6 +15,20 @@ def pytest_sessionstart(session):
             raise pytest.UsageError(f"expected megatron-core {expected}, imported {installed}")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The longest modules first, so that two xdist workers finish together (``tests/support/schedule.py``)."""
+    from tests.support.schedule import longest_first
+
+    longest_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from tests.support.schedule import LongestFirstFileScheduling
+
+    return LongestFirstFileScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def megatron_world():
     """torch.distributed (gloo, world size 1) and megatron's parallel state, once per session."""
