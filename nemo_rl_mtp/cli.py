@@ -32,6 +32,7 @@ from nemo_rl_mtp.reporting.console import (
     interrupt_once_on_signals,
     one_line,
     quiet_third_party_output,
+    restartable_as,
 )
 
 
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None, default_config: str | Path | None = None
     quiet_third_party_output()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     interrupt_once_on_signals()
+    if argv is None:  # run as a program: a Ray start that dies in Ray's C++ may run it again (cluster/ray_cluster.py)
+        restartable_as([sys.executable, *sys.orig_argv[1:]])
     ray_was_running = ray_is_running()
     cfg = None
     try:

@@ -203,10 +203,12 @@ def _watch_start(done: threading.Event, started: float, limit_s: float, what: st
         left = deadline - time.monotonic()
         died = raylets.death()
         if died is not None and not done.is_set():
-            line = f"error: RayStartError: {_raylet_died(what, time.time() - started, died)}"
+            reason = _raylet_died(what, time.time() - started, died)
             if died:  # its agents outlive it, no longer our descendants: found by its session directory
                 stop_processes_naming(str(Path(died).parent.parent))
-            _abandon_start(started, EXIT_ERROR, line)
+            if AGENT_MISSED_ITS_WAIT in reason:
+                _start_again_in_a_new_process(started, reason)
+            _abandon_start(started, EXIT_ERROR, f"error: RayStartError: {reason}")
         if left <= 0:
             if signum is not None:
                 _abandon_start(started, 128 + signum, "interrupted: the run had not started (Ray's start ignored the signal; its processes were stopped)")
@@ -263,13 +265,36 @@ def _raylet_died(what: str, after_s: float, stderr_file: str) -> str:
                 break
     if "Timed out waiting for file" in reason:
         port_file = reason.rsplit("/", 1)[-1]
-        reason = f"its dashboard agent did not write {port_file.split('_port_')[0]}_port within the raylet's fixed 15 s"
+        reason = f"its dashboard agent did not write {port_file.split('_port_')[0]}_port {AGENT_MISSED_ITS_WAIT}"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (
         f"cluster: Ray failed to {what} after {after_s:.0f} s: its raylet exited ({reason}; {stderr_file}); load average "
         f"{load:.1f} on {os.cpu_count()} CPUs: the machine is too busy for Ray's own start-up waits, which no setting "
         "raises; start when it is quieter"
     )
+
+
+# A local start whose raylet died because its dashboard agent missed Ray's fixed 15 s is made
+# again in a new process (the driver's main thread stays held in Ray's C++, so not in this one),
+# up to this many attempts in all, each after a pause of a few seconds times the attempt: the
+# agent's imports, slowed by a passing load, usually make it the next time.
+START_ATTEMPTS = 3
+AGENT_MISSED_ITS_WAIT = "within the raylet's fixed 15 s"
+
+
+def _start_again_in_a_new_process(started: float, reason: str) -> None:
+    """Replace this process by the run's own command once more (``console.hard_restart``) after
+    stopping what the start began, where the entry point allows it and attempts are left;
+    otherwise return (the start is then abandoned in one line)."""
+    from nemo_rl_mtp.reporting import console
+
+    attempt = console.start_attempt()
+    if not console.can_restart() or attempt >= START_ATTEMPTS or not threading.main_thread().is_alive():
+        return
+    stop_processes_started_since(started)
+    pause_s = random.uniform(2.0, 5.0) * attempt
+    time.sleep(pause_s)
+    console.hard_restart(f"warning: {reason.split(': the machine is too busy', 1)[0]}; starting the run again in a new process after {pause_s:.0f} s (attempt {attempt + 1} of {START_ATTEMPTS})")
 
 
 def _abandon_start(started: float, status: int, line: str) -> None:

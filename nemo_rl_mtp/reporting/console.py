@@ -60,10 +60,49 @@ def undone_on_hard_exit(undo: Callable[[], None]) -> Iterator[None]:
 def hard_exit(status: int) -> NoReturn:
     """``os._exit(status)`` (from a thread other than the held main thread), after what
     :func:`undone_on_hard_exit` registered, newest first; an undo that fails is skipped."""
+    _undo_all()
+    os._exit(status)
+
+
+def _undo_all() -> None:
     for undo in reversed(_UNDO_ON_HARD_EXIT):
         with contextlib.suppress(Exception):
             undo()
-    os._exit(status)
+
+
+# The command that runs this process again, from the start; set by an entry point run as a
+# program (a library caller, such as a test calling ``cli.main(argv)``, is never replaced).
+_RESTART_COMMAND: list[str] = []
+# How many times this run has been started (1: this is its first process), across restarts.
+START_ATTEMPT_ENV = "NEMO_RL_MTP_START_ATTEMPT"
+
+
+def restartable_as(command: list[str]) -> None:
+    """Let :func:`hard_restart` replace this process by ``command`` (argv, absolute interpreter
+    first)."""
+    _RESTART_COMMAND[:] = command
+
+
+def can_restart() -> bool:
+    return bool(_RESTART_COMMAND)
+
+
+def start_attempt() -> int:
+    """This process's attempt at the run: 1, or one more than the process it replaced."""
+    return int(os.environ.get(START_ATTEMPT_ENV, "1"))
+
+
+def hard_restart(line: str) -> NoReturn:
+    """Replace this process by the restart command (``os.execv``: from any thread, the main
+    thread held in C++ included), after what :func:`undone_on_hard_exit` registered and ``line``
+    on stderr; the new process's :func:`start_attempt` is one more."""
+    import sys
+
+    _undo_all()
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.environ[START_ATTEMPT_ENV] = str(start_attempt() + 1)
+    os.execv(_RESTART_COMMAND[0], _RESTART_COMMAND)
 
 
 def one_line(error: BaseException) -> str:

@@ -151,6 +151,41 @@ def test_a_start_whose_raylet_dies_ends_then_in_one_line_naming_why_leaving_noth
     assert left == [], [process.cmdline()[:2] for process in left]
 
 
+# The agent slowed in the first process only; the process that replaces it starts as usual.
+SLOW_FIRST_AGENT = (
+    'import os, sys, time\nif any("dashboard/agent.py" in argument for argument in sys.argv) and "NEMO_RL_MTP_START_ATTEMPT" not in os.environ:\n'
+    "    time.sleep(40)\n"
+)
+RESTARTABLE_START = (
+    "import sys\nfrom nemo_rl_mtp.reporting import console\nconsole.restartable_as([sys.executable, *sys.orig_argv[1:]])\n"
+    + START
+    + "import ray\nprint('started on attempt', console.start_attempt(), flush=True)\nray.shutdown()\n"
+)
+
+
+@pytest.mark.slow
+def test_a_program_whose_raylet_dies_waiting_for_its_agent_starts_again_in_a_new_process(tmp_path):
+    """Where the entry point may be run again (a program, not a library call: the test above is
+    the control), a start whose raylet died because its dashboard agent missed Ray's fixed 15 s
+    is made again in a new process, which here starts Ray; it says so in one line, and nothing
+    of the failed attempt's Ray session is left."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_FIRST_AGENT)
+    environment = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    environment.pop("NEMO_RL_MTP_START_ATTEMPT", None)
+    completed = subprocess.run(
+        [sys.executable, "-c", RESTARTABLE_START], cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=600
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip().splitlines()[-1] == "started on attempt 2", completed.stdout[-2000:]
+    warnings = [line for line in completed.stderr.splitlines() if line.startswith("warning: cluster: Ray failed to start after")]
+    assert len(warnings) == 1, completed.stderr[-3000:]
+    assert "its dashboard agent did not write metrics_agent_port within the raylet's fixed 15 s" in warnings[0]
+    assert "starting the run again in a new process" in warnings[0] and "(attempt 2 of 3)" in warnings[0]
+    session = warnings[0].split("; /", 1)[1].split("/logs/raylet.err", 1)[0]
+    left = [process for process in psutil.process_iter() if _names(process, "/" + session)]
+    assert left == [], [process.cmdline()[:2] for process in left]
+
+
 def _names(process: psutil.Process, text: str) -> bool:
     try:
         return any(text in argument for argument in process.cmdline())
