@@ -54,15 +54,22 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
 
 
 def _kill_when(command: list[str], ready) -> None:
-    """Start the driver in its own process group and SIGKILL the group once ``ready()``."""
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not ready():
-        assert process.poll() is None, "the run ended before the fault could be injected"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    """Start the driver in its own process group and SIGKILL the group once ``ready()``; a run
+    that ends first fails the test with the last lines it wrote to stderr."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not ready():
+            if process.poll() is not None:
+                stderr.seek(0)
+                tail = " | ".join(stderr.read().strip().splitlines()[-5:])
+                raise AssertionError(f"the run ended (status {process.returncode}) before the fault could be injected: {tail}")
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def _signal_when(command: list[str], ready, send) -> tuple[subprocess.CompletedProcess, list]:
