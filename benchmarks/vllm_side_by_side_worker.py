@@ -14,23 +14,29 @@ other (a batch of one).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import sys
 import time
+from pathlib import Path
+
+
+@functools.cache
+def serve_check_vllm():
+    """``examples/serve_check_vllm.py``, loaded from its file (this process has none of the
+    project on its path): it reads vLLM's speculative-decoding counters."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "serve_check_vllm.py"
+    spec = importlib.util.spec_from_file_location("serve_check_vllm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def counters(llm) -> dict:
     """vLLM's speculative-decoding counters so far: drafts and accepted tokens per position."""
-    counts = {"num_drafts": 0, "accepted_per_pos": []}
-    for metric in llm.get_metrics():
-        if metric.name == "vllm:spec_decode_num_drafts":
-            counts["num_drafts"] += int(metric.value)
-        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            values = [int(v) for v in metric.values]
-            previous = counts["accepted_per_pos"] or [0] * len(values)
-            counts["accepted_per_pos"] = [a + b for a, b in zip(previous, values)]
-    return counts
+    return serve_check_vllm().spec_decode_counts(llm.get_metrics())
 
 
 def main() -> int:
