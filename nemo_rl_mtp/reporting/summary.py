@@ -59,9 +59,11 @@ def _per_depth(key: str) -> bool:
 
 def _change(label: str, history: list[dict[str, float]], key: str, fmt: str) -> str:
     """``label: first -> last`` over the steps that logged ``key``; '' when none did."""
-    values = _first_last(history, key)
-    if values is None:
+    values = [row[key] for row in history if key in row]
+    if not values:
         return ""
+    if len(values) == 1:  # one measurement is no change (auto may draft at one step only)
+        return f"{label}: {fmt.format(values[0])} (logged at one step only)"
     return f"{label}: {fmt.format(values[0])} -> {fmt.format(values[-1])}"
 
 
@@ -69,7 +71,8 @@ def what_moved(history: list[dict[str, float]]) -> str:
     """One line saying what the run did: whether GRPO moved the policy (validation accuracy first
     -> last, and the KL to the start of RL where it was logged), and where the MTP head's depth-1
     rollout acceptance went (means of the first and the last ``ACCEPTANCE_WINDOW`` steps that
-    drafted). '' for a run without validation."""
+    drafted; where only one did, that one and the trainer's forecast of the acceptance, first ->
+    last). '' for a run without validation."""
     accuracy = _first_last(history, in_scope(VALIDATION, ACCURACY))
     if accuracy is None:
         return ""
@@ -80,7 +83,12 @@ def what_moved(history: list[dict[str, float]]) -> str:
     if kl is not None:
         line += f", KL to the start of RL {kl[1]:.2f} nats/token"
     drafted = [row[ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(1)] for row in history if ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(1) in row]
-    if drafted:
+    if len(drafted) == 1:  # auto chose k = 0 at every other step: the trainer's forecast says where the head went
+        line += f"; the MTP head's rollout acceptance {drafted[0]:.1f}% (only one rollout drafted)"
+        forecast = _first_last(history, TRAIN_MTP_EXPECTED_ACCEPTANCE.key(1))
+        if forecast is not None:
+            line += f", its forecast from training {forecast[0]:.1f}% -> {forecast[1]:.1f}%"
+    elif drafted:
         window = max(1, min(ACCEPTANCE_WINDOW, len(drafted) // 2))  # the two ends never overlap
         first, last = sum(drafted[:window]) / window, sum(drafted[-window:]) / window
         ends = "first and last step" if window == 1 else f"means of the first and last {window} steps"

@@ -79,3 +79,25 @@ def test_the_heads_acceptance_is_averaged_over_ten_steps_at_each_end():
     history += [{"rollout/draft_1_acceptance_rate": value} for value in [80.0] * 9 + [50.0] * 15 + [70.0] * 10]
     history[-1]["val/accuracy"] = 0.6
     assert what_moved(history).endswith("the MTP head's rollout acceptance 80.0% -> 70.0% (means of the first and last 10 steps)")
+
+
+def test_a_run_that_drafted_once_says_so_and_gives_the_trainers_forecast_instead_of_first_to_last():
+    """auto may run k = 0 at every step but one: one rollout's acceptance is no "first -> last".
+    The summary says it drafted once and adds the trainer's forecast, first -> last; the
+    per-key lines say "logged at one step only". Control: two drafted steps give first -> last."""
+    from nemo_rl_mtp.reporting.summary import what_moved
+
+    once = [
+        {"val/accuracy": 0.3, "rollout/draft_1_acceptance_rate": 85.4, "train/mtp/mtp_1_expected_acceptance": 85.7},
+        {"train/mtp/mtp_1_expected_acceptance": 80.0},
+        {"val/accuracy": 0.7, "train/mtp/mtp_1_expected_acceptance": 74.4},
+    ]
+    assert what_moved(once) == (
+        "GRPO moved the policy: validation accuracy 0.300 -> 0.700 (+0.400); "
+        "the MTP head's rollout acceptance 85.4% (only one rollout drafted), its forecast from training 85.7% -> 74.4%"
+    )
+    lines = run_summary(once, Path("logs/run"), 5.0, Path("logs/run/mtp_run.png")).splitlines()
+    assert "rollout/draft_1_acceptance_rate: 85.4% (logged at one step only)" in lines
+    assert "train/mtp/mtp_1_expected_acceptance: 85.7% -> 74.4%" in lines
+    twice = [dict(once[0]), {"val/accuracy": 0.7, "rollout/draft_1_acceptance_rate": 80.0}]
+    assert what_moved(twice).endswith("the MTP head's rollout acceptance 85.4% -> 80.0% (first and last step)")
