@@ -33,7 +33,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -182,7 +181,7 @@ class Vllm:
             raise SystemExit(f"vLLM (k={k}) stopped; see its log")
         reply = json.loads(line)
         accepted = reply["accepted_per_pos"][0] if reply["accepted_per_pos"] else 0
-        return Run(reply["seconds"], [response for response in reply["responses"]], reply["num_drafts"], accepted)
+        return Run(reply["seconds"], reply["responses"], reply["num_drafts"], accepted)
 
     def close(self) -> None:
         for process, replies in self.workers.values():

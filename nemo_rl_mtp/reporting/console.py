@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import warnings
 from typing import Callable, Iterator, NoReturn
 
@@ -96,8 +97,6 @@ def hard_restart(line: str) -> NoReturn:
     """Replace this process by the restart command (``os.execv``: from any thread, the main
     thread held in C++ included), after what :func:`undone_on_hard_exit` registered and ``line``
     on stderr; the new process's :func:`start_attempt` is one more."""
-    import sys
-
     _undo_all()
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
