@@ -15,12 +15,20 @@ the engine admits (``max_sequence_length``), so gathering all of it made a decod
 O(maximum length) instead of O(tokens in use), and the response budget, not the responses, set
 the speed. The longest key length is read on the host once per call (flash-attn reads it on the
 device); this module runs only where there is no device.
+
+Requests are attended in chunks whose gathered keys take about ``CHUNK_BYTES``: gathering a whole
+decode step at once (512 requests of 112 keys: 15 MB of keys, as much of values, and their zeroed
+copies) made each temporary fresh memory from the operating system, and its page faults cost as
+much as the attention; chunks of 2 MB are reused from the allocator's free lists and stay in the
+cache. The chunked call measured 2.5x faster at that size.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+CHUNK_BYTES = 2 * 2**20  # gathered keys per fused attention call (module docstring)
 
 
 def paged_attention(
@@ -40,8 +48,12 @@ def paged_attention(
     (zeros on padding rows).
     """
     block_table = block_table[:, : blocks_in_use(key_lengths, key_cache.shape[1])]
-    keys, values = _gather_blocks(key_cache, block_table), _gather_blocks(value_cache, block_table)
-    return _attend(queries, query_lengths, keys, values, key_lengths, softmax_scale)
+
+    def attend(rows: slice) -> torch.Tensor:
+        keys, values = _gather_blocks(key_cache, block_table[rows]), _gather_blocks(value_cache, block_table[rows])
+        return _attend(queries[rows], query_lengths[rows], keys, values, key_lengths[rows], softmax_scale)
+
+    return _in_chunks(attend, queries, block_table.shape[1] * key_cache[0].nbytes)
 
 
 def paged_attention_over_pairs(
@@ -56,10 +68,26 @@ def paged_attention_over_pairs(
     h_kv, d]``, read with one gather, of every column of ``block_table``: the caller passes the
     columns in use (it knows them from the engine's host-side bookkeeping: no read of a device
     value here, so this runs on a GPU too)."""
-    rows, width = block_table.shape
-    ids = block_table.reshape(-1).long() % kv_cache.shape[1]
-    pairs = kv_cache.index_select(1, ids).view(2, rows, width * kv_cache.shape[2], *kv_cache.shape[3:])
-    return _attend(queries, query_lengths, pairs[0], pairs[1], key_lengths, softmax_scale)
+    width = block_table.shape[1]
+
+    def attend(rows: slice) -> torch.Tensor:
+        ids = block_table[rows].reshape(-1).long() % kv_cache.shape[1]
+        pairs = kv_cache.index_select(1, ids).view(2, -1, width * kv_cache.shape[2], *kv_cache.shape[3:])
+        return _attend(queries[rows], query_lengths[rows], pairs[0], pairs[1], key_lengths[rows], softmax_scale)
+
+    return _in_chunks(attend, queries, width * kv_cache[0, 0].nbytes)
+
+
+def _in_chunks(attend, queries: torch.Tensor, key_bytes_per_request: int) -> torch.Tensor:
+    """``attend(rows)`` over slices of the requests (module docstring), into one output."""
+    num_requests = queries.shape[0]
+    chunk = max(1, CHUNK_BYTES // max(key_bytes_per_request, 1))
+    if chunk >= num_requests:
+        return attend(slice(None))
+    output = torch.empty_like(queries)
+    for start in range(0, num_requests, chunk):
+        output[start : start + chunk] = attend(slice(start, start + chunk))
+    return output
 
 
 def _attend(queries, query_lengths, keys, values, key_lengths, softmax_scale) -> torch.Tensor:
@@ -69,9 +97,10 @@ def _attend(queries, query_lengths, keys, values, key_lengths, softmax_scale) ->
     cache's memory held: megatron allocates it with ``torch.empty``, and flash-attn never reads
     there. The mask gives them no weight, but a NaN or inf among them would still reach the output
     (``0 * inf``, ``score + -inf``) and turn the row to NaN, then to zeros below. So they are
-    zeroed first: the result depends on the cached tokens only, not on the memory's history."""
-    written = (torch.arange(keys.shape[1], device=key_lengths.device)[None, :] < key_lengths[:, None])[:, :, None, None]
-    keys, values = keys.where(written, 0), values.where(written, 0)
+    zeroed first: the result depends on the cached tokens only, not on the memory's history. (The
+    zeroing runs on a ``[b, sk, h_kv * d]`` view with a ``[b, sk, 1]`` mask: broadcast over two
+    trailing dimensions it took 3x as long, half of a decode step's attention.)"""
+    keys, values = _zeroed_past(keys, key_lengths), _zeroed_past(values, key_lengths)
     allowed = _causal_key_mask(query_lengths, key_lengths, queries.shape[1], keys.shape[1])
     attended = F.scaled_dot_product_attention(
         queries.float().transpose(1, 2), keys.float().transpose(1, 2), values.float().transpose(1, 2),
@@ -79,6 +108,13 @@ def _attend(queries, query_lengths, keys, values, key_lengths, softmax_scale) ->
     )
     # Padding query rows see no key: their softmax is NaN, and their output is zeroed.
     return attended.transpose(1, 2).nan_to_num(0.0).to(queries.dtype)
+
+
+def _zeroed_past(gathered: torch.Tensor, key_lengths: torch.Tensor) -> torch.Tensor:
+    """``gathered`` ``[b, sk, h_kv, d]`` with zeros at and past each request's ``key_lengths``."""
+    rows, width = gathered.shape[:2]
+    written = torch.arange(width, device=key_lengths.device)[None, :, None] < key_lengths[:, None, None]
+    return gathered.reshape(rows, width, -1).where(written, 0).view(gathered.shape)
 
 
 def blocks_in_use(key_lengths: torch.Tensor, block_size: int) -> int:

@@ -1,5 +1,7 @@
 """The CPU stand-ins for flash-attn's paged kernels against per-request dense attention computed by
-torch's scaled_dot_product_attention (an independent route), on a shuffled paged cache."""
+torch's scaled_dot_product_attention (an independent route), on a shuffled paged cache. Every test
+runs with the requests attended in one call and one request at a time (the stand-ins chunk a large
+step's requests; these steps are too small to be chunked at the default size)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nemo_rl_mtp.megatron_compat.cpu import paged_attention
 from nemo_rl_mtp.megatron_compat.cpu.paged_attention import flash_attn_varlen_func, flash_attn_with_kvcache, paged_attention_over_pairs
 
 BLOCK_SIZE, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
+
+
+@pytest.fixture(autouse=True, params=["one call", "one request per call"])
+def chunking(request, monkeypatch):
+    if request.param == "one request per call":
+        monkeypatch.setattr(paged_attention, "CHUNK_BYTES", 1)
+    return request.param
 
 
 def _paged_cache(key_lengths: list[int], generator: torch.Generator):
@@ -132,3 +142,21 @@ def test_cache_slots_that_hold_no_key_do_not_reach_the_output(garbage):
         expected = _dense(queries[request], keys[request], values[request])
         torch.testing.assert_close(decode[request], expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pairs[request], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_of_uneven_size_cover_every_request():
+    """Seven requests of ragged lengths in chunks of three (3, 3, 1): each row against its dense
+    reference, so a chunk written to the wrong rows or a request left out fails."""
+    generator = torch.Generator().manual_seed(5)
+    key_lengths = [6, 3, 11, 1, 8, 5, 2]
+    key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
+    queries = torch.randn(7, 1, HEADS, DIM, generator=generator)
+    block_bytes = key_cache[0].nbytes
+    in_use = -(-max(key_lengths) // BLOCK_SIZE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_attention, "CHUNK_BYTES", 3 * in_use * block_bytes)
+        out = flash_attn_with_kvcache(
+            queries, key_cache, value_cache, cache_seqlens=torch.tensor(key_lengths, dtype=torch.int32), block_table=block_table
+        )
+    for request in range(7):
+        torch.testing.assert_close(out[request], _dense(queries[request], keys[request], values[request]), rtol=1e-5, atol=1e-5)
