@@ -120,7 +120,7 @@ class RequestSamplingNotes(DynamicInferenceEngine):
     def reset(self) -> None:
         super().reset()
         if hasattr(self.controller, "note_request_sampling"):
-            self.controller.request_sampling = None
+            self.controller.forget_request_sampling()
 
 
 class SpeculativeBookkeepingEngine(RequestSamplingNotes):

@@ -19,6 +19,11 @@ verification rows) and its acceptance counters work as they do for exact match. 
 distributions megatron's sampler draws from (temperature, top-k, top-p: its own
 ``log_probs_kernel``, or on releases without one the same filters written out and checked
 against its sampler), so the two verifications differ only in the acceptance rule.
+
+A greedy rollout (top-k 1 for every request) takes megatron's own path: p and q are then point
+masses, rejection sampling accepts a draft exactly when it is the policy's most likely token,
+which is what the equality check does with the argmax of each verification row. No
+distribution is written out and nothing is drawn (as vLLM's greedy rejection sampler).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class RejectionSamplingController(VerificationHooks):
                 )
             logger.info("rejection sampling: the sampling distribution written out (no log_probs_kernel): %s", reason)
         self.request_sampling = None
+        self.greedy_only = None  # every request of the rollout greedy (top-k 1); None before one is added
         self._draft_request_ids = None
         self._draft_tokens: list[torch.Tensor] = []
         self._draft_probs: list[torch.Tensor] = []
@@ -92,6 +98,12 @@ class RejectionSamplingController(VerificationHooks):
                 f"top_p) per rollout; got {self.request_sampling} and {params}"
             )
         self.request_sampling = params
+        self.greedy_only = params[1] == 1 and self.greedy_only is not False
+
+    def forget_request_sampling(self) -> None:
+        """Before a rollout: no request's parameters noted yet."""
+        self.request_sampling = None
+        self.greedy_only = None
 
     def sampling_probs(self, logits: torch.Tensor, token_to_request_index: torch.Tensor | None = None) -> torch.Tensor:
         """[N, V]: the distribution megatron's sampler draws each row of ``logits`` [N, V] from
@@ -109,7 +121,11 @@ class RejectionSamplingController(VerificationHooks):
 
     def sample_drafts(self, logits_2d: torch.Tensor) -> torch.Tensor:
         """One depth of drafts ([active requests]), drawn from q, megatron's sampling distribution
-        of the logits (temperature, top-k, top-p), which is recorded."""
+        of the logits (temperature, top-k, top-p), which is recorded; greedy: the argmax."""
+        if self.greedy_only:
+            tokens = logits_2d.argmax(dim=-1)
+            self._draft_tokens.append(tokens)
+            return tokens
         probs = self.sampling_probs(logits_2d)
         tokens = torch.multinomial(probs, 1, generator=self.sampling_rng).view(-1)
         self._draft_tokens.append(tokens)
@@ -117,7 +133,7 @@ class RejectionSamplingController(VerificationHooks):
         return tokens
 
     def drafts_of_decode_requests(self, num_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafts [D, k] and their distributions [D, k, V] of the first ``num_decode`` active
+        """Drafts [D, k] and their distributions [D, k, V] (None when greedy) of the first ``num_decode`` active
         requests, found by request id (the engine reorders requests between steps). The check
         that every one has drafts is asserted on the device: no host synchronisation."""
         context = self.inference_wrapped_model.inference_context
@@ -126,13 +142,15 @@ class RejectionSamplingController(VerificationHooks):
         torch._assert_async(matches.any(dim=1).all(), "rejection sampling: a decode request has no recorded MTP drafts")
         where = matches.int().argmax(dim=1)
         drafts = torch.stack(self._draft_tokens, dim=1)[where]
-        probs = torch.stack(self._draft_probs, dim=1)[where]
+        probs = torch.stack(self._draft_probs, dim=1)[where] if self._draft_probs else None
         return drafts, probs
 
     def verification_rows(self, logits: torch.Tensor, num_decode: int, num_prefill: int) -> torch.Tensor:
         """Tokens for the verification rows ``logits`` [D * (k + 1) + P, V] (decode requests' k + 1
         rows each, then prefill requests' one): decode requests' rows by rejection sampling,
-        prefill requests' from p."""
+        prefill requests' from p; greedy: every row's argmax."""
+        if self.greedy_only:
+            return logits.argmax(dim=-1)
         k = self.num_speculative_tokens
         decode_rows = num_decode * (k + 1)
         request_of_row = torch.cat(

@@ -54,6 +54,26 @@ def test_greedy_rollouts_equal_a_full_forward_greedy_reference(num_speculative_t
         assert counts.shape == (num_speculative_tokens,) and counts[0] > 0
 
 
+@requires_speculation
+def test_greedy_rollouts_verified_by_rejection_sampling_are_exact_matchs_and_draw_nothing():
+    """Greedy (top-k 1): p and q are point masses, so rejection sampling accepts a draft exactly
+    when exact match does. Its rollouts take the argmax path: the same tokens, log-probs and
+    acceptance counts as exact match, and the sampling generator left as seeded (nothing drawn).
+    Control: at temperature 1 rejection sampling draws from that generator."""
+    policy, _, _ = _policy(2)
+    greedy = {}
+    for verification in ("exact_match", "rejection_sampling"):
+        engine = RolloutEngine(policy, tiny_config(**engine_overrides(2, generation__spec_verification=verification)).policy)
+        greedy[verification] = engine.generate(PROMPTS, TOKENIZER.eos_id, TOKENIZER.pad_id, seed=3, greedy=True)
+    for key in ("tokens", "lengths", "logprobs", "draft_proposed", "draft_accepted"):
+        assert torch.equal(greedy["rejection_sampling"][key], greedy["exact_match"][key]), key
+    assert greedy["exact_match"]["draft_proposed"][0] > 0
+    seeded = torch.Generator().manual_seed(3).get_state()
+    assert torch.equal(engine.engine.controller.sampling_rng.get_state(), seeded)
+    engine.generate(PROMPTS, TOKENIZER.eos_id, TOKENIZER.pad_id, seed=3)
+    assert not torch.equal(engine.engine.controller.sampling_rng.get_state(), seeded)
+
+
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_rollout_logprobs_equal_training_logprobs(temperature, top_p):
     policy, cfg, engine = _policy(drafts_where_possible(2), generation__temperature=temperature, generation__top_p=top_p)
