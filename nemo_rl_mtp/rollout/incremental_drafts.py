@@ -14,13 +14,15 @@ So each depth keeps the keys and values of its attention for its *committed* pos
 whose inputs are all verified (j + d + 1 <= V - 1), on the engine's own KV blocks (the same block
 ids and offsets as the trunk's keys at j; a pool of ``[depths, 2, blocks, block size, heads,
 head dim]`` carved out of the engine's memory budget, see :func:`mtp_cache_share`). A draft round
-runs depth d over positions ``[c_d, V - 1]``, c_d = max(V_prev - 1 - d, 0) being the first position
+runs depth d over positions ``[c_d, V - 1]``, c_d = max(V_prev - d, 0) being the first position
 depth d has not committed (V_prev: the verified length at the previous round). Those are the
-positions verified since then (committed now) and the d + 1 positions that read the sampled token
-or drafts (written too, then overwritten at the next round, whose range starts there: no draft
-ever reads a key computed from a rejected token). Each depth's input at its first position comes
-from the previous round (a carry per request and depth, kept by request id); every other input is
-this round's: the decoder's hidden states of the step's accepted tokens, depth d - 1's outputs.
+positions verified since then (committed now) and the d positions that read drafts (written too,
+then overwritten at the next round, whose range starts there: no draft ever reads a key computed
+from a rejected token). A position that reads the sampled token is committed when it is written:
+the sampled token is always kept, so depth 0 never runs a position twice. Depth d >= 1's input at
+its first position comes from the previous round (a carry per request and depth, kept by request
+id: depth d - 1's output there); every other input is this round's: the decoder's hidden states
+of the step's accepted tokens, depth d - 1's outputs.
 
 The layer itself is megatron's (``MultiTokenPredictionLayer.forward_single_position``, as in
 :mod:`sequence_drafts`), over all requests' positions packed into one sequence, with its core
@@ -29,7 +31,7 @@ positions' keys and values into the depth's cache and attends over the cache (th
 attention of :mod:`paged_attention`, which reads only the blocks in use). Positions past a
 request's range are padding: their keys go to a scratch block and their outputs are never read.
 
-A draft costs (accepted tokens + d + 1) positions of one MTP layer per depth and step, independent
+A draft costs (accepted tokens + d) positions of one MTP layer per depth and step, independent
 of the sequence length but for attention's reads of the cache. Exact: every draft's logits equal
 the sequence path's (tested within 1e-5 at every step, through rejections and across requests).
 """
@@ -170,7 +172,7 @@ class IncrementalDrafts:
         # Both read the engine's host-side bookkeeping (megatron keeps it on the host): no device sync.
         widest_step = self.num_depths + 1 if context.is_decode_only() else int(context.request_query_lengths[active].max())
         blocks_in_use = int(context.request_kv_block_counts[active].max())
-        width = widest_step + 1  # + the carried position
+        width = widest_step  # depth d's range: the step's accepted positions and d before them
         columns = torch.arange(width + self.num_depths, device=device)
         tape_index = (starts[:, None] + columns[None, :]).clamp(max=num_tokens - 1)
         self._round = {
@@ -198,7 +200,7 @@ class IncrementalDrafts:
         rows = torch.arange(state["verified"].shape[0], device=state["verified"].device)
         state["tape"][rows, state["accepted"] + depth] = next_token_ids[0, : rows.numel()].to(state["tape"].device)
         first, verified = state["first_position"], state["verified"]
-        start = (first - 1 - depth).clamp(min=0)
+        start = (first - depth).clamp(min=0)
         width = state["width"] + depth
         positions = start[:, None] + torch.arange(width, device=start.device)[None, :]
         valid = positions < verified[:, None]
@@ -229,16 +231,17 @@ class IncrementalDrafts:
             index = (positions - covered_from[:, None]).clamp(0, state["previous_output"].shape[1] - 1)
             fresh = state["previous_output"].gather(1, index[..., None].expand(-1, -1, state["previous_output"].shape[2]))
         carried = positions < covered_from[:, None]
+        if depth == 0:  # its range starts at the step's first position: nothing carried
+            return fresh
         inputs = torch.where(carried[..., None], self.carries[ids, depth][:, None, :], fresh)
-        # The next round's carry for this depth: its input at position V - 1 - depth.
+        # The next round's carry for this depth: its input at position V - depth.
         self.carries[ids, depth] = self._next_carry(depth)
         return inputs
 
     def _next_carry(self, depth: int) -> torch.Tensor:
+        """Depth ``depth`` (>= 1)'s input at position V - depth: depth - 1's output there."""
         state = self._round
-        if depth == 0:
-            return state["hidden"][state["last_accepted"]]
-        column = (state["verified"] - 1 - depth - state["previous_start"]).clamp(0, state["previous_output"].shape[1] - 1)
+        column = (state["verified"] - depth - state["previous_start"]).clamp(0, state["previous_output"].shape[1] - 1)
         return state["previous_output"][torch.arange(column.numel(), device=column.device), column]
 
     def _run_layer(self, depth: int, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, layout: dict) -> torch.Tensor:
