@@ -1,0 +1,79 @@
+"""Where a decode step's time goes in this project's engine on the MiMo-layout export of the
+vLLM side-by-side (``benchmarks/vllm_side_by_side.py``), at k = 0 and k = 1: ms of CPU time per
+decode step, by phase, at 512 requests.
+
+    uv run python -m benchmarks.mimo_step_breakdown [--hf-ckpt-path DIR] [--repeats 3] [--new-tokens 64]
+
+A decode step is isolated by difference: each k runs the 512 prompts (EOS ignored, greedy) to
+``--new-tokens`` and to 5 new tokens, and the phases' CPU time of the short run is taken from the
+long one's, over the decode steps between them, so prefill and the first steps drop out. Phases
+are those of ``benchmarks/rollout_throughput.py`` (trunk forward, drafts, verification,
+bookkeeping; the attention over the trunk's and the MTP caches shown apart, and inside trunk and
+drafts). The CPU clock, one torch thread: another job's load on a shared machine stays out of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import benchmarks.rollout_throughput as throughput
+from benchmarks.vllm_side_by_side import Cell, Ours, questions
+
+PHASES = ("trunk", "trunk attention", "drafts", "draft attention", "verification", "bookkeeping", "engine bookkeeping")
+SHORT = 5
+
+
+def phase_seconds(ours: Ours, cell: Cell, k: int, prompts, eos_id: int, pad_id: int, repeats: int, phases_of: dict) -> dict[str, float]:
+    """Median CPU seconds per phase (and ``total``) of one generate call over ``repeats`` runs."""
+    ours.run(cell, k, prompts[:4], eos_id, pad_id)  # builds the engine and warms it
+    runs = []
+    for _ in range(repeats):
+        phases = throughput.StepPhases()
+        phases.instrument(ours.engine(cell, k).engine)
+        phases_of["current"] = phases
+        start = time.process_time()
+        ours.run(cell, k, prompts, eos_id, pad_id)
+        phases.seconds["total"] = time.process_time() - start
+        phases_of["current"] = None
+        runs.append(phases.seconds)
+    return {name: statistics.median(run.get(name, 0.0) for run in runs) for name in (*PHASES, "total")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf-ckpt-path", type=Path, help="a MiMo-layout export (default: the tiny random one)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    throughput.CLOCK_NAME[0] = "cpu"
+    phases_of: dict = {}
+    throughput.attention_timers(phases_of)
+    with tempfile.TemporaryDirectory(prefix="mimo_step_breakdown_") as scratch:
+        checkpoint = args.hf_ckpt_path
+        if checkpoint is None:
+            from scripts.tiny_mimo_checkpoint import write_tiny_mimo_checkpoint
+
+            checkpoint = write_tiny_mimo_checkpoint(Path(scratch) / "tiny-mimo")
+        ours = Ours(checkpoint.resolve())
+        tokenizer = ours.tokenizer
+        eos_id, pad_id = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+        chats = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False) for text in questions(512)]
+        prompts = [tokenizer.encode(chat, add_special_tokens=False) for chat in chats]
+        seconds = {}
+        for new_tokens in (SHORT, args.new_tokens):
+            for k in (0, 1):
+                seconds[new_tokens, k] = phase_seconds(ours, Cell(512, 512, new_tokens, True), k, prompts, eos_id, pad_id, args.repeats, phases_of)
+    steps = args.new_tokens - SHORT
+    print(f"ms of CPU time per decode step, 512 requests, steps {SHORT + 1}..{args.new_tokens} (median of {args.repeats} runs each, one torch thread)\n")
+    print("| phase | k = 0 | k = 1 | k = 1 extra |\n|---|---|---|---|")
+    for name in (*PHASES, "total"):
+        per_step = [1000.0 * (seconds[args.new_tokens, k][name] - seconds[SHORT, k][name]) / steps for k in (0, 1)]
+        print(f"| {name} | {per_step[0]:.2f} | {per_step[1]:.2f} | {per_step[1] - per_step[0]:+.2f} |")
+
+
+if __name__ == "__main__":
+    main()
