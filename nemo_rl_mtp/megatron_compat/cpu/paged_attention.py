@@ -20,7 +20,8 @@ Requests are attended in chunks whose gathered keys take about ``CHUNK_BYTES``: 
 decode step at once (512 requests of 112 keys: 15 MB of keys, as much of values, and their zeroed
 copies) made each temporary fresh memory from the operating system, and its page faults cost as
 much as the attention; chunks of 2 MB are reused from the allocator's free lists and stay in the
-cache. The chunked call measured 2.5x faster at that size.
+cache. One such call alone measured 16-35 ms before and 9-10 ms after; inside the engine, where
+memory is partly reused already, a decode step's attention took about 13% less.
 """
 
 from __future__ import annotations
