@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import benchmarks.rollout_throughput as throughput
-from benchmarks.vllm_side_by_side import Cell, Ours, questions
+from benchmarks.vllm_side_by_side import Cell, Ours, ours_on_export
 
 PHASES = ("trunk", "trunk attention", "drafts", "draft attention", "verification", "bookkeeping", "engine bookkeeping")
 SHORT = 5
@@ -55,16 +55,7 @@ def main() -> None:
     phases_of: dict = {}
     throughput.attention_timers(phases_of)
     with tempfile.TemporaryDirectory(prefix="mimo_step_breakdown_") as scratch:
-        checkpoint = args.hf_ckpt_path
-        if checkpoint is None:
-            from scripts.tiny_mimo_checkpoint import write_tiny_mimo_checkpoint
-
-            checkpoint = write_tiny_mimo_checkpoint(Path(scratch) / "tiny-mimo")
-        ours = Ours(checkpoint.resolve())
-        tokenizer = ours.tokenizer
-        eos_id, pad_id = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
-        chats = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False) for text in questions(512)]
-        prompts = [tokenizer.encode(chat, add_special_tokens=False) for chat in chats]
+        ours, prompts, eos_id, pad_id = ours_on_export(args.hf_ckpt_path, Path(scratch), 512)
         seconds = {}
         for new_tokens in (SHORT, args.new_tokens):
             for k in (0, 1):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.vllm_side_by_side import Cell, Ours, questions
+from benchmarks.vllm_side_by_side import Cell, ours_on_export
 
 
 def main() -> None:
@@ -25,16 +25,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="thread_count_outputs_") as scratch:
-        checkpoint = args.hf_ckpt_path
-        if checkpoint is None:
-            from scripts.tiny_mimo_checkpoint import write_tiny_mimo_checkpoint
-
-            checkpoint = write_tiny_mimo_checkpoint(Path(scratch) / "tiny-mimo")
-        ours = Ours(checkpoint.resolve())
-        tokenizer = ours.tokenizer
-        eos_id, pad_id = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
-        chats = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False) for text in questions(args.prompts)]
-        prompts = [tokenizer.encode(chat, add_special_tokens=False) for chat in chats]
+        ours, prompts, eos_id, pad_id = ours_on_export(args.hf_ckpt_path, Path(scratch), args.prompts)
         for cell in (Cell(1, args.prompts, 5, False), Cell(512, args.prompts, 64, True)):
             responses = {}
             for threads in (1, 2, 1, 2):

@@ -144,6 +144,20 @@ class Ours:
         return Run(seconds, responses, proposed, accepted)
 
 
+def ours_on_export(checkpoint: Path | None, scratch: Path, count: int) -> tuple[Ours, list[list[int]], int, int]:
+    """Our engine on ``checkpoint`` (None: the tiny random export, written under ``scratch``), and
+    ``count`` chat-templated prompts with the end-of-sequence and padding ids."""
+    if checkpoint is None:
+        from scripts.tiny_mimo_checkpoint import write_tiny_mimo_checkpoint
+
+        checkpoint = write_tiny_mimo_checkpoint(scratch / "tiny-mimo")
+    ours = Ours(checkpoint.resolve())
+    tokenizer = ours.tokenizer
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False) for text in questions(count)]
+    prompts = [tokenizer.encode(chat, add_special_tokens=False) for chat in chats]
+    return ours, prompts, tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+
+
 class Vllm:
     """One vLLM worker process per k, built once, serving timed generations."""
 
