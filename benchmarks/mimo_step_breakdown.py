@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
+    if args.new_tokens < 32:
+        parser.error(f"--new-tokens {args.new_tokens}: at least 32, so the decode steps outweigh the runs' noise")
     throughput.CLOCK_NAME[0] = "cpu"
     phases_of: dict = {}
     throughput.attention_timers(phases_of)
