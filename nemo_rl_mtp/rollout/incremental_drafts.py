@@ -186,7 +186,6 @@ class IncrementalDrafts:
             "block_table": context.request_to_kv_block_ids[active, :blocks_in_use].to(device),
             # The tokens from position first_position on: the step's, then the sampled token and drafts.
             "tape": context.token_to_input_ids[:num_tokens].to(device)[tape_index],
-            "last_accepted": last_accepted.to(device),
         }
 
     def end_round(self) -> None:
@@ -218,21 +217,19 @@ class IncrementalDrafts:
         return last, output_logits(self.model, last)
 
     def _depth_inputs(self, depth: int, start: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[R, W, H]: depth ``depth``'s input hidden state at each position of its range: the carry
-        at a position the previous depth (or the step) does not cover, else this round's."""
+        """[R, W, H]: depth ``depth``'s input hidden state at each position of its range: the
+        decoder's hidden states of the step at depth 0 (its range starts at the step's first
+        position: nothing carried); after, the carry at the one position the previous depth does
+        not cover, else that depth's output."""
         state = self._round
-        ids = state["request_ids"]
         if depth == 0:
-            covered_from = state["first_position"]
-            index = (state["starts"][:, None] + positions - covered_from[:, None]).clamp(0, state["hidden"].shape[0] - 1)
-            fresh = state["hidden"][index]
-        else:
-            covered_from = state["previous_start"]
-            index = (positions - covered_from[:, None]).clamp(0, state["previous_output"].shape[1] - 1)
-            fresh = state["previous_output"].gather(1, index[..., None].expand(-1, -1, state["previous_output"].shape[2]))
+            index = (state["starts"][:, None] + positions - state["first_position"][:, None]).clamp(0, state["hidden"].shape[0] - 1)
+            return state["hidden"][index]
+        ids = state["request_ids"]
+        covered_from = state["previous_start"]
+        index = (positions - covered_from[:, None]).clamp(0, state["previous_output"].shape[1] - 1)
+        fresh = state["previous_output"].gather(1, index[..., None].expand(-1, -1, state["previous_output"].shape[2]))
         carried = positions < covered_from[:, None]
-        if depth == 0:  # its range starts at the step's first position: nothing carried
-            return fresh
         inputs = torch.where(carried[..., None], self.carries[ids, depth][:, None, :], fresh)
         # The next round's carry for this depth: its input at position V - depth.
         self.carries[ids, depth] = self._next_carry(depth)

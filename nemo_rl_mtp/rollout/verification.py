@@ -20,9 +20,10 @@ distributions megatron's sampler draws from (temperature, top-k, top-p: its own
 ``log_probs_kernel``, or on releases without one the same filters written out and checked
 against its sampler), so the two verifications differ only in the acceptance rule.
 
-A greedy rollout (top-k 1 for every request) takes megatron's own path: p and q are then point
-masses, rejection sampling accepts a draft exactly when it is the policy's most likely token,
-which is what the equality check does with the argmax of each verification row. No
+A greedy rollout (top-k 1 for every request) is verified as megatron verifies greedy ones: p and
+q are then point masses, rejection sampling accepts a draft exactly when it is the policy's most
+likely token, which is what the equality check does with the argmax of each verification row
+(megatron's sampler at top-k 1 is that argmax). No
 distribution is written out and nothing is drawn (as vLLM's greedy rejection sampler).
 """
 

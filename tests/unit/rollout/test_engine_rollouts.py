@@ -61,17 +61,19 @@ def test_greedy_rollouts_verified_by_rejection_sampling_are_exact_matchs_and_dra
     acceptance counts as exact match, and the sampling generator left as seeded (nothing drawn).
     Control: at temperature 1 rejection sampling draws from that generator."""
     policy, _, _ = _policy(2)
-    greedy = {}
-    for verification in ("exact_match", "rejection_sampling"):
-        engine = RolloutEngine(policy, tiny_config(**engine_overrides(2, generation__spec_verification=verification)).policy)
-        greedy[verification] = engine.generate(PROMPTS, TOKENIZER.eos_id, TOKENIZER.pad_id, seed=3, greedy=True)
+    engines = {
+        verification: RolloutEngine(policy, tiny_config(**engine_overrides(2, generation__spec_verification=verification)).policy)
+        for verification in ("exact_match", "rejection_sampling")
+    }
+    greedy = {name: engine.generate(PROMPTS, TOKENIZER.eos_id, TOKENIZER.pad_id, seed=3, greedy=True) for name, engine in engines.items()}
     for key in ("tokens", "lengths", "logprobs", "draft_proposed", "draft_accepted"):
         assert torch.equal(greedy["rejection_sampling"][key], greedy["exact_match"][key]), key
     assert greedy["exact_match"]["draft_proposed"][0] > 0
+    rejection = engines["rejection_sampling"]
     seeded = torch.Generator().manual_seed(3).get_state()
-    assert torch.equal(engine.engine.controller.sampling_rng.get_state(), seeded)
-    engine.generate(PROMPTS, TOKENIZER.eos_id, TOKENIZER.pad_id, seed=3)
-    assert not torch.equal(engine.engine.controller.sampling_rng.get_state(), seeded)
+    assert torch.equal(rejection.engine.controller.sampling_rng.get_state(), seeded)
+    rejection.generate(PROMPTS, TOKENIZER.eos_id, TOKENIZER.pad_id, seed=3)
+    assert not torch.equal(rejection.engine.controller.sampling_rng.get_state(), seeded)
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
