@@ -151,14 +151,23 @@ def uninterrupted(log_dir):
     runs.stop()
 
 
-def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted):
-    """With sampled rollouts and dropout, so that a resume which lost a random state would differ
-    (shown by breaking the restore of the RNG states: the losses after the resume then differ)."""
+def _steps_saved(checkpoints: Path) -> list[str]:
+    """The step checkpoints (complete or partial); the start of RL is saved beside them."""
+    return sorted(path.name for path in checkpoints.iterdir() if path.name.startswith("step_"))
+
+
+def test_kill_9_mid_run_and_during_a_save_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted):
+    """Killed mid-run, then its resumed run killed while it saves the final checkpoint (which the
+    next resume must not take), then resumed to the end. With sampled rollouts and dropout, so
+    that a resume which lost a random state would differ (shown by breaking the restore of the RNG
+    states: the losses after the resume then differ)."""
     metrics = log_dir / "killed" / "metrics.jsonl"
+    checkpoints = log_dir / "killed" / "checkpoints"
     command = _command(log_dir, "killed", *SAMPLED_WITH_DROPOUT)
     _kill_when(command, lambda: metrics.is_file() and len(read_metrics(metrics)) >= STEPS - 1)
-    checkpoints = sorted(path.name for path in (log_dir / "killed" / "checkpoints").iterdir())
-    assert checkpoints and checkpoints[-1] < f"step_{STEPS:06d}"
+    assert _steps_saved(checkpoints) and _steps_saved(checkpoints)[-1] < f"step_{STEPS:06d}"
+    _kill_when(command, lambda: (checkpoints / f"step_{STEPS:06d}.partial").exists())
+    assert _steps_saved(checkpoints) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}.partial"]
     resumed = _run(command)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stderr
@@ -166,43 +175,36 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_metrics_bit_exactly(
     assert [row["step"] for row in rows] == list(range(STEPS))
     assert _comparable(rows) == _comparable(uninterrupted.metrics("uninterrupted_sampled"))  # MTP and rollout metrics included
     assert any(row["train/probs_ratio"] != 1.0 for row in rows)  # dropout did act on the training forwards
-
-
-def _steps_saved(checkpoints: Path) -> list[str]:
-    """The step checkpoints (complete or partial); the start of RL is saved beside them."""
-    return sorted(path.name for path in checkpoints.iterdir() if path.name.startswith("step_"))
-
-
-def test_kill_9_during_a_save_leaves_no_checkpoint_that_resume_would_take(log_dir, uninterrupted):
-    checkpoints = log_dir / "killed_saving" / "checkpoints"
-
-    def saving_the_final_checkpoint() -> bool:
-        return (checkpoints / f"step_{STEPS:06d}.partial").exists()
-
-    _kill_when(_command(log_dir, "killed_saving"), saving_the_final_checkpoint)
-    assert _steps_saved(checkpoints) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}.partial"]
-    resumed = _run(_command(log_dir, "killed_saving"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _comparable(read_metrics(log_dir / "killed_saving" / "metrics.jsonl")) == _comparable(uninterrupted.metrics("uninterrupted"))
-    assert not [path for path in checkpoints.iterdir() if path.name.endswith(".partial")]
     assert _steps_saved(checkpoints) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"]
 
 
-def test_ctrl_c_exits_130_in_one_line_naming_the_checkpoint_to_resume_from(log_dir):
-    """Ctrl-C as a terminal sends it: SIGINT to the driver's whole process group. (Resuming from
-    that checkpoint is what the SIGKILL tests above prove exact.)"""
+def test_ctrl_c_at_data_parallel_two_exits_130_naming_the_checkpoint_which_resumes_at_data_parallel_one(log_dir, uninterrupted):
+    """Ctrl-C as a terminal sends it (SIGINT to the driver's whole process group) to a run of two
+    data-parallel workers: exit 130, one line naming the checkpoint to resume from, no Ray process
+    left. Resumed there by one worker, the run logs what a one-worker run logs from the start:
+    weights and optimizer state crossed the layout change (up to the float order of the DP2
+    gradient reduction)."""
+    run_dir = log_dir / "ctrl_c_dp2_then_dp1"
     interrupted, alive = _signal_when(
-        _command(log_dir, "ctrl_c", "grpo.max_num_steps=1000"),
-        _checkpointed(log_dir / "ctrl_c", 2),
+        _command(log_dir, run_dir.name, "grpo.max_num_steps=1000", "cluster.workers_per_node=2"),
+        _checkpointed(run_dir, 2),
         lambda process: os.killpg(process.pid, signal.SIGINT),
     )
     assert interrupted.returncode == 130, interrupted.stderr[-3000:]
     assert "Traceback" not in interrupted.stderr
     last_line = interrupted.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("interrupted: run again with logger.run_name=ctrl_c to resume from")
+    assert last_line.startswith(f"interrupted: run again with logger.run_name={run_dir.name} to resume from")
     resume_from = Path(last_line.rsplit(" ", 1)[1])
-    assert resume_from.parent == log_dir / "ctrl_c" / "checkpoints" and (resume_from / "trainer_state.pt").is_file()
+    assert resume_from.parent == run_dir / "checkpoints" and (resume_from / "trainer_state.pt").is_file()
     assert alive == []
+    resumed = _run(_command(log_dir, run_dir.name))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = _comparable(read_metrics(run_dir / "metrics.jsonl"), EXTRA_VALIDATION)
+    assert [row["step"] for row in rows] == list(range(STEPS))
+    for row_expected, row_resumed in zip(_comparable(uninterrupted.metrics("uninterrupted"), EXTRA_VALIDATION), rows):
+        assert row_resumed.keys() == row_expected.keys()
+        for key, value in row_expected.items():
+            assert row_resumed[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (row_expected["step"], key)
 
 
 @pytest.mark.skipif(shutil.which("uv") is None, reason="needs uv on PATH (CI runs the suite through uv)")
@@ -238,22 +240,6 @@ def test_a_run_directory_without_checkpoint_is_refused_unless_overwritten(log_di
     assert (earlier / "metrics.jsonl").read_text() == '{"step": 0}\n'  # untouched
     assert prepare_run_directory(earlier, CheckpointDirectory(earlier / "checkpoints", 2), overwrite=True) is None
     assert not earlier.exists()
-
-
-def test_a_data_parallel_two_checkpoint_resumes_at_data_parallel_one(log_dir, uninterrupted):
-    """A run saved by two workers (DP2) and resumed by one logs what a one-worker run logs from
-    the start: weights and optimizer state crossed the layout change (up to the float order of
-    the DP2 gradient reduction)."""
-    first_half = _run(_command(log_dir, "dp2_then_dp1", "grpo.max_num_steps=2", "cluster.workers_per_node=2"))
-    assert first_half.returncode == 0, first_half.stderr[-3000:]
-    second_half = _run(_command(log_dir, "dp2_then_dp1"))
-    assert second_half.returncode == 0, second_half.stderr[-3000:]
-    resumed = _comparable(read_metrics(log_dir / "dp2_then_dp1" / "metrics.jsonl"), EXTRA_VALIDATION)
-    assert [row["step"] for row in resumed] == list(range(STEPS))
-    for row_expected, row_resumed in zip(_comparable(uninterrupted.metrics("uninterrupted"), EXTRA_VALIDATION), resumed):
-        assert row_resumed.keys() == row_expected.keys()
-        for key, value in row_expected.items():
-            assert row_resumed[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (row_expected["step"], key)
 
 
 def test_checkpoints_hold_no_callables(log_dir, uninterrupted):

@@ -129,8 +129,11 @@ def test_runs_started_in_the_same_second_claim_distinct_run_directories(tmp_path
     """Eight processes claim a name at once (two default runs side by side start in one second)."""
     import multiprocessing
 
+    from nemo_rl_mtp.grpo.run import claim_run_name
+
+    # claim_run_name itself, not a function of this module: each new process imports only grpo.run.
     with multiprocessing.get_context("spawn").Pool(4) as pool:
-        names = pool.map(_claim, [str(tmp_path)] * 8)
+        names = pool.starmap(claim_run_name, [(tmp_path, "grpo-20260101-120000")] * 8)
     assert sorted(names) == sorted(["grpo-20260101-120000", *(f"grpo-20260101-120000-{n}" for n in range(2, 9))])
     assert all((tmp_path / name).is_dir() for name in names)
 

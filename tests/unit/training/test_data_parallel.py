@@ -27,9 +27,13 @@ def _batch(token_level_loss: bool) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _data_parallel_rank(
-    rank: int, world_size: int, init_method: str, weights_path: str, result_path: str, token_level_loss: bool, loss_type: str
-):
+# (token-level loss, MTP loss type): token- and sequence-level losses (the sample weights split
+# with the batch), with megatron's MTP loss and with a loss on the policy's distribution.
+CASES = [(True, "cross_entropy"), (False, "cross_entropy"), (False, "soft_cross_entropy")]
+
+
+def _data_parallel_rank(rank: int, world_size: int, init_method: str, directory: str):
+    """Each case in turn on one data-parallel rank of the two; rank 0 saves what the case gave."""
     from nemo_rl_mtp.training.model import initialize_model_parallel
     from tests.support.helpers import tiny_config
 
@@ -40,39 +44,39 @@ def _data_parallel_rank(
     from tests.support.helpers import VOCAB_SIZE
 
     initialize_model_parallel(tiny_config().policy.megatron_cfg, rank, world_size, init_method)
-    cfg = tiny_config(**POLICY, megatron_cfg__mtp_loss_type=loss_type).policy
-    policy = setup_megatron_policy(cfg, VOCAB_SIZE)
-    with cpu_runtime.device_scope():
-        identical_init = check_param_hashes_across_dp_replicas([policy.model.module], cross_check=True)
-    policy.model.module.load_state_dict(torch.load(weights_path))
-    batch = _batch(token_level_loss)
-    share = slice(rank * 4, (rank + 1) * 4)
-    metrics, grads = _step(policy, cfg, {key: value[share] for key, value in batch.items()})
-    if rank == 0:
-        torch.save({"metrics": metrics, "grads": grads, "identical_init": identical_init}, result_path)
+    for index, (token_level_loss, loss_type) in enumerate(CASES):
+        cfg = tiny_config(**POLICY, megatron_cfg__mtp_loss_type=loss_type).policy
+        policy = setup_megatron_policy(cfg, VOCAB_SIZE)
+        with cpu_runtime.device_scope():
+            identical_init = check_param_hashes_across_dp_replicas([policy.model.module], cross_check=True)
+        policy.model.module.load_state_dict(torch.load(f"{directory}/weights_{index}.pt"))
+        batch = _batch(token_level_loss)
+        share = slice(rank * 4, (rank + 1) * 4)
+        metrics, grads = _step(policy, cfg, {key: value[share] for key, value in batch.items()})
+        if rank == 0:
+            torch.save({"metrics": metrics, "grads": grads, "identical_init": identical_init}, f"{directory}/dp2_{index}.pt")
 
 
-@pytest.mark.usefixtures("megatron_world")
-@pytest.mark.parametrize(
-    "token_level_loss, loss_type",
-    [(True, "cross_entropy"), (False, "cross_entropy"), pytest.param(False, "soft_cross_entropy", marks=pytest.mark.slow)],
-)
-def test_data_parallel_two_matches_one(tmp_path, token_level_loss, loss_type):
-    """Token- and sequence-level losses (the sample weights split with the batch), with megatron's
-    MTP loss and with a loss on the policy's distribution."""
-    policy, cfg = make_policy(**POLICY, megatron_cfg__mtp_loss_type=loss_type)
-    weights_path = tmp_path / "weights.pt"
-    torch.save(policy.model.module.state_dict(), weights_path)
-    metrics_one, grads_one = _step(policy, cfg, _batch(token_level_loss))
-
-    result_path = tmp_path / "dp2.pt"
+@pytest.fixture(scope="module")
+def one_and_two(megatron_world, tmp_path_factory) -> dict[tuple[bool, str], tuple]:
+    """Per case, (metrics, gradients) of one process and the two ranks' result, from the same
+    initial weights; the two processes are started once for every case (each start imports
+    megatron-core)."""
+    directory = tmp_path_factory.mktemp("data_parallel")
+    one = {}
+    for index, (token_level_loss, loss_type) in enumerate(CASES):
+        policy, cfg = make_policy(**POLICY, megatron_cfg__mtp_loss_type=loss_type)
+        torch.save(policy.model.module.state_dict(), directory / f"weights_{index}.pt")
+        one[CASES[index]] = _step(policy, cfg, _batch(token_level_loss))
     mp.start_processes(
-        _data_parallel_rank,
-        args=(2, f"tcp://127.0.0.1:{free_port()}", str(weights_path), str(result_path), token_level_loss, loss_type),
-        nprocs=2,
-        start_method="spawn",
+        _data_parallel_rank, args=(2, f"tcp://127.0.0.1:{free_port()}", str(directory)), nprocs=2, start_method="spawn"
     )
-    result = torch.load(result_path)
+    return {case: (one[case], torch.load(directory / f"dp2_{index}.pt")) for index, case in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("token_level_loss, loss_type", CASES)
+def test_data_parallel_two_matches_one(one_and_two, token_level_loss, loss_type):
+    (metrics_one, grads_one), result = one_and_two[token_level_loss, loss_type]
     assert result["identical_init"], "data-parallel replicas were initialised differently"
     assert result["metrics"].keys() == metrics_one.keys()
     for key, value in metrics_one.items():
