@@ -4,6 +4,11 @@ to exit. Every case must exit 2 with one line naming the key; the target is 2 s 
 config path was split into pure checks and release capabilities, the speculation-depth case took
 33-40 s (loading a config imported megatron-core and torch first).
 
+Bad files the config names (a checkpoint directory that is not there, a JSONL line that is not
+JSON, a run directory holding an earlier run) are refused by the run's preflight, after torch is
+imported and before megatron-core is: their target is 5 s (before, they came after megatron-core's
+import, 13-20 s here).
+
     uv run python -m benchmarks.config_refusal [--repeats 3]
 """
 
@@ -13,6 +18,7 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +40,32 @@ CASES: dict[str, tuple[list[str], str]] = {
         "data.train_data_path=None: env.name=math takes its prompts from JSONL files",
     ),
 }
+FILES_TARGET_S = 5.0
+MATH_RECIPE = REPO_ROOT / "examples" / "configs" / "grpo_math_tiny_mimo_cpu.yaml"
+
+
+def file_cases(scratch: Path) -> dict[str, tuple[list[str], str]]:
+    """Bad files a config names, written under ``scratch`` (name -> (overrides, refusal))."""
+    checkpoint = scratch / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")  # reachable: the bad data file is what is refused
+    good, bad = scratch / "good.jsonl", scratch / "bad.jsonl"
+    good.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
+    bad.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "What is 2 + 2?" "answer": "4"}\n')
+    earlier = scratch / "logs" / "earlier"
+    earlier.mkdir(parents=True)
+    (earlier / "metrics.jsonl").write_text('{"step": 0}\n')
+    logs = f"logger.log_dir={scratch / 'logs'}"
+    return {
+        "missing checkpoint": ([f"policy.model_name={scratch / 'missing'}", logs], "no such directory"),
+        "bad JSONL line": (
+            ["--config", str(MATH_RECIPE), f"policy.model_name={checkpoint}", f"data.train_data_path={bad}", f"data.val_data_path={good}", logs],
+            "line 2: not JSON",
+        ),
+        "earlier run's directory": ([logs, "logger.run_name=earlier"], "holds an earlier run"),
+    }
+
+
 ENTRY_POINTS = {
     "uv run examples/run_grpo.py": ["uv", "run", "examples/run_grpo.py"],
     "python -m nemo_rl_mtp.cli": [sys.executable, "-m", "nemo_rl_mtp.cli"],
@@ -56,16 +88,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs of each case (the median is shown)")
     args = parser.parse_args()
-    print(f"config refusal, median of {args.repeats} run(s) per case; target {TARGET_S:.1f} s")
-    slowest = 0.0
-    for entry, command in ENTRY_POINTS.items():
-        print(f"{entry}:")
-        for name, (overrides, expected) in CASES.items():
-            seconds = statistics.median(time_refusal([*command, *overrides], expected) for _ in range(args.repeats))
-            slowest = max(slowest, seconds)
-            print(f"  {name:<20s} {seconds:5.2f} s  {'ok' if seconds <= TARGET_S else 'OVER TARGET'}")
-    print(f"slowest {slowest:.2f} s (target {TARGET_S:.1f} s)")
-    return 0 if slowest <= TARGET_S else 1
+    print(f"config refusal, median of {args.repeats} run(s) per case; target {TARGET_S:.1f} s, bad files {FILES_TARGET_S:.1f} s")
+    over = 0
+    with tempfile.TemporaryDirectory(prefix="config_refusal_") as scratch:
+        groups = ((CASES, TARGET_S), (file_cases(Path(scratch)), FILES_TARGET_S))
+        for entry, command in ENTRY_POINTS.items():
+            print(f"{entry}:")
+            for cases, target in groups:
+                for name, (overrides, expected) in cases.items():
+                    seconds = statistics.median(time_refusal([*command, *overrides], expected) for _ in range(args.repeats))
+                    over += seconds > target
+                    print(f"  {name:<24s} {seconds:5.2f} s  {'ok' if seconds <= target else 'OVER TARGET'}")
+    print(f"{over} case(s) over target")
+    return 0 if over == 0 else 1
 
 
 if __name__ == "__main__":

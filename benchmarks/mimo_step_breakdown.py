@@ -28,21 +28,23 @@ SHORT = 5
 
 
 def phase_seconds(ours: Ours, cell: Cell, k: int, prompts, eos_id: int, pad_id: int, repeats: int, phases_of: dict) -> dict[str, float]:
-    """Mean CPU seconds per phase (and ``total``) of one generate call over ``repeats`` runs."""
+    """Mean CPU seconds per phase (and ``total``), and mean engine steps (``steps``), of one
+    generate call over ``repeats`` runs."""
     ours.run(cell, k, prompts[:4], eos_id, pad_id)  # builds the engine and warms it
     phases = throughput.StepPhases()
     phases.instrument(ours.engine(cell, k).engine)  # once: a second wrapper would time the first
     runs = []
     for _ in range(repeats):
-        before = dict(phases.seconds)
+        before, steps_before = dict(phases.seconds), phases.steps
         phases_of["current"] = phases
         start = time.process_time()
         ours.run(cell, k, prompts, eos_id, pad_id)
         total = time.process_time() - start
         phases_of["current"] = None
-        runs.append({name: phases.seconds.get(name, 0.0) - before.get(name, 0.0) for name in PHASES} | {"total": total})
+        seconds = {name: phases.seconds.get(name, 0.0) - before.get(name, 0.0) for name in PHASES}
+        runs.append(seconds | {"total": total, "steps": phases.steps - steps_before})
     # The mean, not each phase's median: phases and total then come from the same runs.
-    return {name: statistics.fmean(run[name] for run in runs) for name in (*PHASES, "total")}
+    return {name: statistics.fmean(run[name] for run in runs) for name in (*PHASES, "total", "steps")}
 
 
 def main() -> None:
@@ -62,11 +64,13 @@ def main() -> None:
         for new_tokens in (SHORT, args.new_tokens):
             for k in (0, 1):
                 seconds[new_tokens, k] = phase_seconds(ours, Cell(512, 512, new_tokens, True), k, prompts, eos_id, pad_id, args.repeats, phases_of)
-    steps = args.new_tokens - SHORT
-    print(f"ms of CPU time per decode step, 512 requests, steps {SHORT + 1}..{args.new_tokens} (mean of {args.repeats} runs each, one torch thread)\n")
+    # Engine steps between the two runs, counted: at k = 1 accepted drafts make them fewer than tokens.
+    steps = {k: seconds[args.new_tokens, k]["steps"] - seconds[SHORT, k]["steps"] for k in (0, 1)}
+    print(f"ms of CPU time per decode step, 512 requests, new tokens {SHORT + 1}..{args.new_tokens}: {steps[0]:.0f} steps at k = 0, "
+          f"{steps[1]:.0f} at k = 1 (mean of {args.repeats} runs each, one torch thread)\n")  # fmt: skip
     print("| phase | k = 0 | k = 1 | k = 1 extra |\n|---|---|---|---|")
     for name in (*PHASES, "total"):
-        per_step = [1000.0 * (seconds[args.new_tokens, k][name] - seconds[SHORT, k][name]) / steps for k in (0, 1)]
+        per_step = [1000.0 * (seconds[args.new_tokens, k][name] - seconds[SHORT, k][name]) / steps[k] for k in (0, 1)]
         print(f"| {name} | {per_step[0]:.2f} | {per_step[1]:.2f} | {per_step[1] - per_step[0]:+.2f} |")
 
 

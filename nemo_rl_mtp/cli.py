@@ -9,8 +9,9 @@ checkout, no recipes) runs the packaged exemplar alone, itself a tiny model that
 The package never looks for a checkout: where the recipes are is the entry script's knowledge.
 
 Module level imports nothing heavy (no torch, megatron, ray or the GRPO loop): a config is checked
-purely first, so a bad one is refused (exit 2, one line) in about a second; then the installed
-release is asked what it can do; only then is the run's machinery imported.
+purely first, so a bad one is refused (exit 2, one line) in about a second; then the run's
+machinery is imported (torch), the files the config names are checked (a few seconds), and only
+then is the installed release asked what it can do (which imports megatron-core).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 from nemo_rl_mtp.config.load import ConfigError
-from nemo_rl_mtp.grpo.checked_config import check_installed_release, load_pure_checked_config
+from nemo_rl_mtp.grpo.checked_config import load_pure_checked_config
 from nemo_rl_mtp.reporting.console import (
     EXIT_CONFIG_ERROR,
     EXIT_ERROR,
@@ -65,8 +66,9 @@ def main(argv: list[str] | None = None, default_config: str | Path | None = None
     cfg = None
     try:
         # The pure checks first, with nothing heavy imported: bad input fails in about a second.
+        # The files the config names and what the installed release can do are checked by
+        # grpo.run.prepare_run, in that order, before any worker starts.
         cfg = load_pure_checked_config(args.config, args.overrides)
-        check_installed_release(cfg)  # imports megatron-core: what the installed release can do
         from nemo_rl_mtp.grpo.loop import grpo_train
         from nemo_rl_mtp.grpo.run import run_named
 

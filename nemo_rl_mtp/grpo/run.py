@@ -27,7 +27,7 @@ from omegaconf import OmegaConf, read_write
 
 from nemo_rl_mtp.config.load import ConfigError, load_exemplar, resolve_checkpoint_keys
 from nemo_rl_mtp.config.schema import LoggerConfig, MasterConfig
-from nemo_rl_mtp.grpo.checked_config import check_run_config
+from nemo_rl_mtp.grpo.checked_config import check_installed_release, check_run_config
 from nemo_rl_mtp.megatron_compat.capabilities import multi_latent_attention_refusal
 from nemo_rl_mtp.tasks.interfaces import PromptSource
 
@@ -51,14 +51,21 @@ class Run:
 
 
 def prepare_run(cfg: MasterConfig, overwrite: bool) -> Run:
-    """Name the run, resolve its model, check this machine, and claim its directory: resume from
-    its latest complete checkpoint (refusing a changed config), replace it with ``overwrite``, or
-    refuse a directory holding another run. Raises ConfigError; starts no worker."""
-    cfg = resolve_model(with_run_name(cfg))
+    """Name the run, check this machine and the files the config names, claim its directory,
+    check what the installed release can do, and resolve its model: resume from the directory's
+    latest complete checkpoint (refusing a changed config), replace it with ``overwrite``, or
+    refuse a directory holding another run. The checks that need no megatron-core come first, so
+    bad input is refused in seconds; ``overwrite`` removes the earlier run only once every check
+    has passed. Raises ConfigError; starts no worker."""
+    cfg = with_run_name(cfg)
     preflight_checks(cfg)
     directory = run_directory(cfg.logger)
     checkpoints = checkpoint_directory(cfg, directory)
-    resume_from = prepare_run_directory(directory, checkpoints, overwrite)
+    resume_from = None if overwrite else prepare_run_directory(directory, checkpoints, overwrite=False)
+    check_installed_release(cfg)  # imports megatron-core
+    cfg = resolve_model(cfg)  # opens an imported checkpoint's config (megatron-bridge)
+    if overwrite:
+        prepare_run_directory(directory, checkpoints, overwrite=True)
     run = Run(cfg, directory, checkpoints, resume_from)
     if resume_from is not None:
         check_resumable_config(directory / "config.yaml", cfg)
@@ -209,9 +216,13 @@ def workers_transformer_impl(cfg: MasterConfig) -> Optional[str]:
 
 
 def preflight_checks(cfg: MasterConfig) -> None:
-    """What the config needs from this machine, checked before any worker starts; raises
-    ConfigError."""
+    """What the config needs from this machine and the files it names (a local checkpoint, the
+    JSONL data files), checked before any worker starts and before megatron-core is imported;
+    raises ConfigError."""
     import importlib.util
+
+    from nemo_rl_mtp.tasks.jsonl_prompts import check_data_files
+    from nemo_rl_mtp.training.hf_checkpoint import CheckpointError, check_reachable
 
     cluster = cfg.cluster
     if cluster.gpus_per_worker and cluster.address is None:
@@ -226,6 +237,12 @@ def preflight_checks(cfg: MasterConfig) -> None:
             )
     _check_local_cpus(cluster)
     _check_log_dir_writable(cfg.logger.log_dir)
+    if cfg.policy.model_name is not None:
+        try:
+            check_reachable(cfg.policy.model_name, cfg.policy.trust_remote_code)
+        except CheckpointError as error:
+            raise ConfigError(str(error)) from None
+    check_data_files(cfg.data)
     if cfg.policy.megatron_cfg.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
         raise ConfigError(
             "policy.megatron_cfg.transformer_impl=transformer_engine, but transformer_engine is not installed "

@@ -78,6 +78,15 @@ class JsonlFile:
         return found
 
 
+def check_data_files(data_cfg) -> None:
+    """Each JSONL file ``data_cfg`` names, checked line by line as :class:`JsonlFile` does, at the
+    run's preflight (before megatron-core is imported and the model opened): a bad line is refused
+    in seconds. The prompt source checks them again as it reads them; a file is read twice."""
+    for key in ("train_data_path", "val_data_path"):
+        if data_cfg[key] is not None:
+            JsonlFile(data_cfg[key], f"data.{key}", data_cfg.prompt_key, data_cfg.answer_key)
+
+
 class JsonlPrompts(PromptSource):
     """Training prompts from ``train_path`` in a seeded order, validation prompts: the first
     ``num_validation_prompts`` usable lines of ``val_path``."""

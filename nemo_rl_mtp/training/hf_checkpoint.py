@@ -58,7 +58,7 @@ class CheckpointFacts:
 
 def open_checkpoint(model_name: str, trust_remote_code: bool):
     """megatron-bridge's ``AutoBridge`` over the checkpoint (its config; weights read lazily)."""
-    _check_reachable(model_name, trust_remote_code)
+    check_reachable(model_name, trust_remote_code)
     from nemo_rl_mtp.megatron_compat.megatron_bridge import import_megatron_bridge
 
     auto_bridge = import_megatron_bridge().AutoBridge
@@ -68,7 +68,7 @@ def open_checkpoint(model_name: str, trust_remote_code: bool):
         raise CheckpointError(f"policy.model_name={model_name}: megatron-bridge cannot read it ({_first_line(error)})") from None
 
 
-def _check_reachable(model_name: str, trust_remote_code: bool) -> None:
+def check_reachable(model_name: str, trust_remote_code: bool) -> None:
     """A local directory that exists, with a config.json, whose code may run if it has any; a
     name that is not a local path is left to the hub."""
     path = Path(model_name)
