@@ -43,9 +43,9 @@ def runs(tmp_path_factory):
     configs = {
         # The default recipe (one MTP layer), speculating one draft token.
         "mtp1": one_draft,
-        "mtp2": ["policy.megatron_cfg.mtp_num_layers=2", "policy.generation.num_speculative_tokens=2", "logger.wandb_enabled=false"],
         "mtp_off": ["policy.megatron_cfg.mtp_num_layers=0", "policy.generation.num_speculative_tokens=0", *quiet],
         "mtp1_tp2": ["cluster.workers_per_node=2", "policy.megatron_cfg.tensor_model_parallel_size=2", *one_draft, *quiet],
+        # Two MTP layers drafting two tokens, at pipeline-parallel 2 (the MTP block on the last stage).
         "mtp2_pp2": [
             "cluster.workers_per_node=2",
             "policy.megatron_cfg.pipeline_model_parallel_size=2",
@@ -107,7 +107,7 @@ def _mtp_keys(row: dict) -> set[str]:
     return {key for key in row if key.startswith("train/mtp/")}
 
 
-@pytest.mark.parametrize("name, layers", [("mtp1", 1), ("mtp2", 2), ("hybrid_moe", 1)])
+@pytest.mark.parametrize("name, layers", [("mtp1", 1), ("mtp2_pp2", 2), ("hybrid_moe", 1)])
 def test_mtp_metrics_logged_every_step(runs, name, layers):
     rows = read_metrics(runs[name] / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(STEPS))
@@ -232,7 +232,7 @@ def test_data_and_tensor_parallel_two_give_the_same_metrics_as_one_worker(runs, 
                 assert step_two[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step_one["step"], key)
 
 
-@pytest.mark.parametrize("name, drafts", [("mtp1", 1), ("mtp2", 2), ("mtp2_pp2", 2)])
+@pytest.mark.parametrize("name, drafts", [("mtp1", 1), ("mtp2_pp2", 2)])
 def test_rollout_acceptance_logged_per_draft_position(runs, name, drafts):
     for row in read_metrics(runs[name] / "metrics.jsonl"):
         accepted_before = math.inf
@@ -253,7 +253,7 @@ def test_no_rollout_acceptance_without_speculation(runs):
 
 
 def test_plot_of_a_run(runs, tmp_path):
-    output = plot_run(runs["mtp2"] / "metrics.jsonl", tmp_path / "run.png")
+    output = plot_run(runs["mtp2_pp2"] / "metrics.jsonl", tmp_path / "run.png")
     import matplotlib.image
 
     image = matplotlib.image.imread(output)
