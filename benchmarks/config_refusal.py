@@ -36,7 +36,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "unknown key": (["policy.megatron_cfg.mtp_layerz=2"], "mtp_layerz"),
     "bad choice": (["env.name=chess"], "env.name='chess' is not one of ['digits', 'math']"),
     "math without data": (
-        ["env.name=math", "policy.model_name=Qwen/Qwen3-0.6B"],
+        # The default recipe's warm start mixes in a digit-task distractor, which math has none of.
+        ["env.name=math", "policy.model_name=Qwen/Qwen3-0.6B", "grpo.warmup_distractor_task=null", "grpo.warmup_distractor_fraction=0"],
         "data.train_data_path=None: env.name=math takes its prompts from JSONL files",
     ),
 }
