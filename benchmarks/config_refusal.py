@@ -58,12 +58,12 @@ def file_cases(scratch: Path) -> dict[str, tuple[list[str], str]]:
     (earlier / "metrics.jsonl").write_text('{"step": 0}\n')
     logs = f"logger.log_dir={scratch / 'logs'}"
     return {
-        "missing checkpoint": ([f"policy.model_name={scratch / 'missing'}", logs], "no such directory"),
+        "missing checkpoint": ([f"policy.model_name={scratch / 'missing'}", logs], f"policy.model_name={scratch / 'missing'}: no such directory"),
         "bad JSONL line": (
             ["--config", str(MATH_RECIPE), f"policy.model_name={checkpoint}", f"data.train_data_path={bad}", f"data.val_data_path={good}", logs],
-            "line 2: not JSON",
+            f"data.train_data_path={bad}, line 2: not JSON",
         ),
-        "earlier run's directory": ([logs, "logger.run_name=earlier"], "holds an earlier run"),
+        "earlier run's directory": ([logs, "logger.run_name=earlier"], f"logger.run_name=earlier: {scratch / 'logs' / 'earlier'} holds an earlier run"),
     }
 
 

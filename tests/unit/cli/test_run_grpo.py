@@ -66,36 +66,25 @@ def test_a_run_refused_at_preflight_leaves_no_run_directory(tmp_path, capsys, si
 
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-MATH_RECIPE = REPO_ROOT / "examples" / "configs" / "grpo_math_tiny_mimo_cpu.yaml"
 
 
 def test_files_the_config_names_are_refused_before_megatron_is_imported(tmp_path):
     """A missing checkpoint directory, a bad JSONL line and a run directory holding an earlier run
-    are each refused in one line by the run's preflight, in a process that never imports
-    megatron-core (its import alone takes over 10 s here); an --overwrite of that directory is
-    not carried out by a refused run: nothing is lost."""
-    checkpoint = tmp_path / "checkpoint"
-    checkpoint.mkdir()
-    (checkpoint / "config.json").write_text("{}")  # reachable; megatron-bridge would read it later
-    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
-    good.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
-    bad.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "What is 2 + 2?" "answer": "4"}\n')
+    (``benchmarks.config_refusal``'s bad files, which it times) are each refused in one line by the
+    run's preflight, in a process that never imports megatron-core (its import alone takes over
+    10 s here); an --overwrite of that earlier run is not carried out by a refused run: nothing is
+    lost."""
+    from benchmarks.config_refusal import file_cases
+
+    bad_files = file_cases(tmp_path)
     earlier = tmp_path / "logs" / "earlier"
-    earlier.mkdir(parents=True)
-    (earlier / "metrics.jsonl").write_text('{"step": 0}\n')
-    logs = f"logger.log_dir={tmp_path / 'logs'}"
-    math = ["--config", str(MATH_RECIPE), f"policy.model_name={checkpoint}", f"data.val_data_path={good}", logs]
-    cases = [  # (the config error expected, the command line)
-        (f"policy.model_name={tmp_path / 'missing'}: no such directory", [f"policy.model_name={tmp_path / 'missing'}", logs]),
-        (f"data.train_data_path={bad}, line 2: not JSON", [*math, f"data.train_data_path={bad}"]),
-        ("logger.run_name=earlier: ", [logs, "logger.run_name=earlier"]),
-        (f"data.train_data_path={bad}, line 2: not JSON", [*math, f"data.train_data_path={bad}", "logger.run_name=earlier", "--overwrite"]),
-    ]
+    bad_jsonl, refusal = bad_files["bad JSONL line"]
+    cases = [*bad_files.values(), ([*bad_jsonl, "logger.run_name=earlier", "--overwrite"], refusal)]
     code = (
         "import contextlib, io, json, sys\n"
         "from nemo_rl_mtp.cli import main\n"
         "seen = []\n"
-        f"for argv in {[argv for _, argv in cases]!r}:\n"
+        f"for argv in {[argv for argv, _ in cases]!r}:\n"
         "    err = io.StringIO()\n"
         "    with contextlib.redirect_stderr(err):\n"
         "        status = main(argv)\n"
@@ -105,7 +94,7 @@ def test_files_the_config_names_are_refused_before_megatron_is_imported(tmp_path
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    for (expected, _), (status, errors) in zip(cases, result["seen"]):
+    for (_, expected), (status, errors) in zip(cases, result["seen"]):
         assert status == EXIT_CONFIG_ERROR and len(errors) == 1 and expected in errors[0], (expected, errors)
     assert result["megatron"] is False
     assert (earlier / "metrics.jsonl").read_text() == '{"step": 0}\n'  # the refused --overwrite removed nothing
