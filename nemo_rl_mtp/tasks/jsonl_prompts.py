@@ -24,16 +24,34 @@ from nemo_rl_mtp.metrics import DATA, EPOCH, SKIPPED_PROMPTS, TRUNCATED_PROMPTS,
 logger = logging.getLogger(__name__)
 
 
+# Successful scans by file version (path, size, modification time, fields): the run's preflight
+# scans the files the prompt source then opens, and an unchanged file is not read again.
+_SCANS: dict[tuple, tuple[list[int], list[int]]] = {}
+_SCANS_KEPT = 8
+
+
 class JsonlFile:
-    """A JSONL file's records, checked once, read by index."""
+    """A JSONL file's records, checked once per version of the file, read by index."""
 
     def __init__(self, path: str, key: str, prompt_key: str, answer_key: str):
         self.path, self.key = Path(path), key
         self.prompt_key, self.answer_key = prompt_key, answer_key
-        self.offsets, self.line_numbers = self._scan()
+        version = self._version()
+        if version not in _SCANS:
+            if len(_SCANS) >= _SCANS_KEPT:
+                _SCANS.clear()
+            _SCANS[version] = self._scan()
+        self.offsets, self.line_numbers = _SCANS[version]
 
     def __len__(self) -> int:
         return len(self.offsets)
+
+    def _version(self) -> tuple:
+        try:
+            stat = self.path.stat()
+        except OSError as error:
+            raise ConfigError(f"{self.key}={self.path}: cannot be read ({error.strerror or error})") from None
+        return (str(self.path.resolve()), stat.st_size, stat.st_mtime_ns, self.prompt_key, self.answer_key)
 
     def _scan(self) -> tuple[list[int], list[int]]:
         offsets, line_numbers = [], []
@@ -81,7 +99,8 @@ class JsonlFile:
 def check_data_files(data_cfg) -> None:
     """Each JSONL file ``data_cfg`` names, checked line by line as :class:`JsonlFile` does, at the
     run's preflight (before megatron-core is imported and the model opened): a bad line is refused
-    in seconds. The prompt source checks them again as it reads them; a file is read twice."""
+    in seconds. The prompt source opens the same files without reading them again (``_SCANS``),
+    unless they changed in between."""
     for key in ("train_data_path", "val_data_path"):
         if data_cfg[key] is not None:
             JsonlFile(data_cfg[key], f"data.{key}", data_cfg.prompt_key, data_cfg.answer_key)

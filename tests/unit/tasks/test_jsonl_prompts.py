@@ -123,3 +123,23 @@ def test_missing_unreadable_and_too_small_files_are_one_line(tmp_path, files):
         with pytest.raises(ConfigError) as error:
             make()
         assert expected in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_a_file_checked_at_preflight_is_not_read_again_unless_it_changed(tmp_path):
+    """The run's preflight checks the data files the prompt source then opens: the second open
+    reuses the scan of an unchanged file (shown by swapping in a bad line of the same length under
+    the same modification time, which only a new read would see) and reads a changed one again."""
+    import os
+
+    from nemo_rl_mtp.tasks.jsonl_prompts import JsonlFile
+
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, [{"prompt": "What is 1 + 1?", "answer": "2"}])
+    checked = JsonlFile(str(path), "data.train_data_path", "prompt", "answer")
+    stat = path.stat()
+    path.write_text(path.read_text().replace('"answer"', '"answeX"'))  # same size, no answer field
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert JsonlFile(str(path), "data.train_data_path", "prompt", "answer").offsets == checked.offsets
+    write_jsonl(path, [{"prompt": "What is 1 + 1?", "answeX": "2"}, {"prompt": "What is 2 + 2?", "answer": "4"}])
+    with pytest.raises(ConfigError, match=r"line 1: no 'answer' field"):
+        JsonlFile(str(path), "data.train_data_path", "prompt", "answer")
