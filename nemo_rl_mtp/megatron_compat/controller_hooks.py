@@ -4,7 +4,9 @@ override public hooks, never megatron's underscore methods.
 Speculative decoding in megatron's ``TextGenerationController`` runs through private methods its
 step calls: ``_dynamic_step_sample_logits_and_verify_tokens`` (verify a step's drafts),
 ``_compute_serial_mtp_and_sample`` (the draft round), ``_sample_from_logits_2d`` (one depth's
-drafts), ``_verify_speculative_tokens`` (the equality check) and, for the verification rows, the
+drafts), ``_verify_speculative_tokens`` (the equality check),
+``_dynamic_step_calculate_log_probs_speculative`` (a step's log-probs; a decode-only step's lists
+vectorised, :mod:`speculative_kernels`) and, for the verification rows, the
 sampling backend's ``sample_speculative`` (0.18 on) or the controller's
 ``_sample_speculative_logits`` (0.17). The classes here override exactly those and call a public
 hook with what it needs:
@@ -40,7 +42,7 @@ from typing import Callable
 import torch
 from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
-from nemo_rl_mtp.megatron_compat import engine_access, engine_probes
+from nemo_rl_mtp.megatron_compat import engine_access, engine_probes, speculative_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,22 @@ class SpeculativeControllerHooks(TextGenerationController):
             last_one_indices, accepted_tokens_mask, input_tokens, num_decode, self.num_speculative_tokens, termination_ids
         )
         return last_one_indices, accepted_tokens_mask, input_tokens
+
+    def _dynamic_step_calculate_log_probs_speculative(self, *args, **kwargs):
+        """megatron's, but for a decode-only step the per-request lists come from
+        :func:`speculative_kernels.decode_log_probs` (one host copy, where megatron reads each
+        request's count and row apart). Steps with prefill requests are megatron's own."""
+        context = self.inference_wrapped_model.inference_context
+        if not context.is_decode_only():
+            return super()._dynamic_step_calculate_log_probs_speculative(*args, **kwargs)
+        # megatron-core 0.17 passes the step's logits; later releases keep them on the controller.
+        logits = _LOG_PROBS_SIGNATURE.bind(self, *args, **kwargs).arguments["logits"] if _LOG_PROBS_TAKES_LOGITS else self._all_logits_cuda
+        log_probs = torch.nn.functional.log_softmax(logits.squeeze(0).float()[: context.active_token_count], dim=-1)
+        lists = speculative_kernels.decode_log_probs(
+            log_probs, self._accepted_tokens_per_request, self._sampled_tokens_cuda,
+            context.total_request_count - context.paused_request_count, self.num_speculative_tokens,
+        )  # fmt: skip
+        return lists, log_probs
 
     def before_verifying_drafts(self, input_tokens_required: torch.Tensor, num_decode_requests: int) -> None:
         """Before megatron's equality check: the step's input tokens (each decode request's k + 1,
@@ -126,6 +144,15 @@ _VERIFY_SIGNATURE = (
     if hasattr(TextGenerationController, "_verify_speculative_tokens")
     else None
 )
+
+
+# The step's logits reach megatron's speculative log-probs as an argument on 0.17 only.
+_LOG_PROBS_SIGNATURE = (
+    inspect.signature(TextGenerationController._dynamic_step_calculate_log_probs_speculative)
+    if hasattr(TextGenerationController, "_dynamic_step_calculate_log_probs_speculative")
+    else None
+)
+_LOG_PROBS_TAKES_LOGITS = _LOG_PROBS_SIGNATURE is not None and "logits" in _LOG_PROBS_SIGNATURE.parameters
 
 
 # The oldest release on which an accepted end-of-sequence draft is shown to end its request (the

@@ -39,12 +39,12 @@ logger = logging.getLogger(__name__)
 # Controller methods we override (mixins) or call, with the leading parameters our overrides
 # take by position; ``_verify_speculative_tokens``'s are read by name (their order differs by
 # release: VERIFY_PARAMETERS).
-COUNTING_METHODS = {"_dynamic_step_sample_logits_and_verify_tokens": []}
+COUNTING_METHODS = {"_dynamic_step_sample_logits_and_verify_tokens": [], "_dynamic_step_calculate_log_probs_speculative": []}
 DRAFTING_METHODS = {"_compute_serial_mtp_and_sample": []}
 REJECTION_SAMPLING_METHODS = {"_compute_serial_mtp_and_sample": [], "_sample_from_logits_2d": ["logits_2d"]}
 VERIFY_PARAMETERS = {"_verify_speculative_tokens": ["output_tokens", "input_tokens_required", "num_decode_requests"]}
 # Controller attributes we read (set by megatron's constructor).
-COUNTING_ATTRIBUTES = ("_accepted_tokens_per_request", "sampling_rng")
+COUNTING_ATTRIBUTES = ("_accepted_tokens_per_request", "_sampled_tokens_cuda", "sampling_rng")
 DRAFTING_ATTRIBUTES = ("_last_accepted_seq_indices",)
 REJECTION_SAMPLING_ATTRIBUTES = ("sampling_rng",)
 ENGINE_METHODS = {
@@ -85,6 +85,8 @@ def changed_names(engine, generation_cfg) -> list[str]:
     model = unwrapped_model(controller)
     problems = class_names_changed(model, generation_cfg)
     problems += _attributes(controller, COUNTING_ATTRIBUTES, "controller")
+    if not _takes_step_logits(_megatron_class(controller)):  # 0.18 on: the step's logits kept on the controller
+        problems += _attributes(controller, ("_all_logits_cuda",), "controller")
     problems += _methods(_megatron_class(engine), ENGINE_METHODS, "engine")
     problems += _attributes(engine, ENGINE_ATTRIBUTES, "engine")
     if "termination_id" not in getattr(controller.inference_wrapped_model.inference_context, "request_metadata", {}):
@@ -288,6 +290,12 @@ def _takes(method, leading: list[str]) -> bool:
         return False
     parameters = [name for name in inspect.signature(method).parameters if name != "self"]
     return parameters[: len(leading)] == leading
+
+
+def _takes_step_logits(controller_class: type) -> bool:
+    """Whether megatron's speculative log-probs take the step's logits as an argument (0.17)."""
+    method = getattr(controller_class, "_dynamic_step_calculate_log_probs_speculative", None)
+    return method is not None and "logits" in inspect.signature(method).parameters
 
 
 def _attributes(instance, names, owner: str) -> list[str]:

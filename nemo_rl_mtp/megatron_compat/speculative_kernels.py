@@ -8,6 +8,11 @@ tensor reads and writes each: with 32 requests they cost about as much as the MT
 a CPU. The functions here take the same arguments, mutate the same buffers and return the same
 values, with a fixed number of tensor operations per step whatever the batch (tested against
 megatron's loops on random batches).
+
+The same holds for the per-request log-prob lists megatron's controller builds at each speculative
+step (``_dynamic_step_calculate_log_probs_speculative``): an ``.item()`` and a row slice per
+request, 1.6-1.9 ms a step at 512 requests on a CPU. :func:`decode_log_probs` builds them from
+one host copy (tested against megatron's method at every step of real rollouts).
 """
 
 from __future__ import annotations
@@ -82,3 +87,26 @@ def prepare_next_forward_pass(
     accepted = torch.where(accepted_tokens_mask[draft_rows], input_tokens[draft_rows], -1)
     accepted_tokens_per_request[:num_decode_requests, :num_speculative_tokens] = accepted
     accepted_token_counts[:num_decode_requests] = (accepted != -1).sum(dim=1)
+
+
+def decode_log_probs(
+    log_probs: torch.Tensor,
+    accepted_tokens: torch.Tensor,
+    sampled_tokens: torch.Tensor,
+    num_decode_requests: int,
+    num_speculative_tokens: int,
+) -> list[list[float]]:
+    """The decode requests' lists of megatron's ``_dynamic_step_calculate_log_probs_speculative``:
+    per request, the log-probs of its accepted drafts, then of its newly sampled token, read from
+    its k + 1 verification rows of ``log_probs`` ``[>= D * (k + 1), V]`` (row j predicts the token
+    after draft j). ``accepted_tokens`` ``[>= D, k]`` (-1 past the first rejection, whose count is
+    megatron's accepted count) and ``sampled_tokens`` ``[>= D]``; D = ``num_decode_requests``.
+    Returns D lists of (accepted count + 1) floats."""
+    count, k = num_decode_requests, num_speculative_tokens
+    rows = log_probs[: count * (k + 1)].reshape(count, k + 1, -1)
+    counts = (accepted_tokens[:count, :k] != -1).sum(dim=1)
+    tokens = torch.zeros(count, k + 1, dtype=torch.long, device=log_probs.device)
+    tokens[:, :k] = accepted_tokens[:count, :k].clamp(min=0)
+    tokens[torch.arange(count, device=log_probs.device), counts] = sampled_tokens[:count]
+    gathered = rows.gather(2, tokens.unsqueeze(-1)).squeeze(-1)
+    return [row[: accepted + 1] for row, accepted in zip(gathered.tolist(), counts.tolist())]

@@ -92,6 +92,34 @@ def test_rollouts_and_counts_equal_megatrons_own_bookkeeping(monkeypatch, k, ver
     assert torch.equal(reference["draft_proposed"], ours["draft_proposed"])  # the controller's count, both engines
 
 
+@pytest.mark.parametrize("k, verification", [(1, "exact_match"), (2, "rejection_sampling")])
+def test_each_steps_log_probs_equal_megatrons_own(monkeypatch, k, verification):
+    """At every step of a real rollout (three requests at a time over six prompts: steps with
+    prefill requests and decode-only ones, drafts accepted and rejected), the log-prob lists and
+    tensor megatron's own ``_dynamic_step_calculate_log_probs_speculative`` computes from the same
+    controller state; the decode-only steps are the vectorised ones."""
+    megatrons = text_generation_controller.TextGenerationController._dynamic_step_calculate_log_probs_speculative
+    ours = controller_hooks.SpeculativeControllerHooks._dynamic_step_calculate_log_probs_speculative
+    steps = {"decode only": 0, "with prefill": 0}
+
+    def compared(self, *args, **kwargs):
+        lists, tensor = ours(self, *args, **kwargs)
+        expected_lists, expected_tensor = megatrons(self, *args, **kwargs)
+        assert lists == expected_lists
+        assert torch.equal(tensor, expected_tensor)
+        steps["decode only" if self.inference_wrapped_model.inference_context.is_decode_only() else "with prefill"] += 1
+        return lists, tensor
+
+    monkeypatch.setattr(controller_hooks.SpeculativeControllerHooks, "_dynamic_step_calculate_log_probs_speculative", compared)
+    overrides = engine_overrides(
+        k, 2, generation__engine__max_requests=3, generation__temperature=0.7, generation__spec_verification=verification
+    )
+    policy, cfg = make_policy(**overrides)
+    rollouts = generate(RolloutEngine(policy, cfg), PROMPTS * 2, seed=11)
+    assert steps["decode only"] >= 4 and steps["with prefill"] >= 2, steps
+    assert 0 < int(rollouts["draft_accepted"][0]) < int(rollouts["draft_proposed"][0])
+
+
 @requires_rewind_loop
 def test_the_rewind_patch_is_needed_on_the_installed_release_and_idempotent(caplog):
     assert kv_rewind.vectorised_rewind_probe()[0]
@@ -142,6 +170,8 @@ def _mtp_layer_class():
         (text_generation_controller.TextGenerationController, "_sample_from_logits_2d"),
         (text_generation_controller.TextGenerationController, "_verify_speculative_tokens"),
         (text_generation_controller.TextGenerationController, "_dynamic_step_sample_logits_and_verify_tokens"),
+        (text_generation_controller.TextGenerationController, "_dynamic_step_calculate_log_probs_speculative"),
+        (text_generation_controller.TextGenerationController, "_sampled_tokens_cuda"),
         (text_generation_controller.TextGenerationController, "_last_accepted_seq_indices"),
         (text_generation_controller.TextGenerationController, "_accepted_tokens_per_request"),
         (DynamicInferenceEngine, "_spec_steps"),
