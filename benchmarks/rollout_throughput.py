@@ -46,6 +46,7 @@ from nemo_rl_mtp.rollout.engine import RolloutEngine, kv_memory  # noqa: E402
 from nemo_rl_mtp.rollout.speculation import speculation_metrics  # noqa: E402
 from nemo_rl_mtp.megatron_compat.cpu import paged_attention  # noqa: E402
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
+from nemo_rl_mtp.cluster.worker import freeze_startup_heap  # noqa: E402
 from nemo_rl_mtp.grpo.checked_config import load_checked_config  # noqa: E402
 from tests.support.helpers import free_port  # noqa: E402
 
@@ -413,6 +414,7 @@ def run_benchmark(args) -> None:
     initialize_model_parallel(base.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{free_port()}")
     torch.manual_seed(base.megatron_cfg.seed)
     policy = setup_megatron_policy(base, TOKENIZER.vocab_size)
+    freeze_startup_heap()  # as a policy worker does after its set-up
     phases_of = {}
     attention_timers(phases_of)
     print(f"{torch.get_num_threads()} torch thread(s); median of {args.repeats} interleaved runs per variant; {args.clock} clock", flush=True)

@@ -98,6 +98,9 @@ class Ours:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=True)
         self.policy = setup_megatron_policy(base, len(self.tokenizer))
+        from nemo_rl_mtp.cluster.worker import freeze_startup_heap
+
+        freeze_startup_heap()  # as a policy worker does after its set-up (and vLLM after its engine's)
         self.engines = {}
 
     def config(self, cell: Cell, k: int):

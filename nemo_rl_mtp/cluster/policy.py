@@ -42,6 +42,7 @@ class Policy:
             for rank in range(size)
         ]
         self.ranks = ray.get([worker.parallel_ranks.remote() for worker in self.workers])
+        ray.get([worker.freeze_startup_heap.remote() for worker in self.workers])
         self.dp_size = self.ranks[0]["dp_size"]
         # Per data-parallel rank, the worker whose results are read (all its peers hold the same).
         last_stage = self.ranks[0]["pp_size"] - 1

@@ -10,6 +10,24 @@ imported inside the methods that use them (the training step, metrics included, 
 
 from __future__ import annotations
 
+import atexit
+import gc
+
+
+def freeze_startup_heap() -> None:
+    """Take every object alive now (the imported modules, the model, its engine) out of the cyclic
+    collector's generations, as vLLM does once its engine is built (``gc.freeze``). A process with
+    megatron imported tracks about 600,000 objects, and each full collection walks them all: 0.38 s
+    on the 2-core CPU, landing in a rollout or training step at random (a 512-request rollout of
+    0.33 s took 0.69 s with one). Objects made later are collected as before; a frozen object is
+    still freed by reference counting when its last reference goes (a replaced rollout engine:
+    ``engine_teardown`` breaks its cycles). At exit they are handed back, so that the interpreter's
+    last collection finalises them (native extensions otherwise report them leaked)."""
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
+
 
 class MegatronPolicyWorker:
     def __init__(
@@ -38,6 +56,10 @@ class MegatronPolicyWorker:
         self.latest_training_metrics = None
         # The reference policy for the KL penalty: the initial weights, kept on the host.
         self.reference_weights = self._host_copy_of_weights() if keep_reference_weights else None
+
+    def freeze_startup_heap(self) -> None:
+        """After set-up: :func:`freeze_startup_heap` in this worker's process."""
+        freeze_startup_heap()
 
     def parallel_ranks(self) -> dict:
         """Where this worker sits in megatron's parallel layout, and what its inference engine

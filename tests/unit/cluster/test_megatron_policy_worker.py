@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -50,3 +53,32 @@ def test_start_of_rl_policy_is_kept_and_read_back_from_its_save(tmp_path):
     worker.load_start_of_rl_weights(str(tmp_path / "start_of_rl"))
     torch.testing.assert_close(worker.get_start_of_rl_logprobs(batch), start, rtol=0, atol=0)
     torch.testing.assert_close(worker.get_logprobs(batch), trained)
+
+
+def test_after_set_up_the_collector_no_longer_walks_the_model_but_still_collects_new_cycles():
+    """The worker's set-up objects leave the collector's generations (a full collection walks
+    them no more), and cyclic garbage made afterwards is collected as before."""
+    cfg = tiny_config(megatron_cfg__mtp_num_layers=1)
+    worker = MegatronPolicyWorker(cfg.policy, VOCAB_SIZE, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    modules = list(worker.policy.model.module.modules())
+
+    def walked() -> int:
+        tracked = {id(item) for item in gc.get_objects()}
+        return sum(id(module) in tracked for module in modules)
+
+    assert walked() == len(modules)  # the control: before the freeze, every module is walked
+    try:
+        worker.freeze_startup_heap()
+        assert walked() == 0
+
+        class Node:
+            pass
+
+        node = Node()
+        node.itself = node
+        alive = weakref.ref(node)
+        del node
+        gc.collect()
+        assert alive() is None
+    finally:
+        gc.unfreeze()  # the rest of this test process collects as before
