@@ -29,7 +29,8 @@ The layer itself is megatron's (``MultiTokenPredictionLayer.forward_single_posit
 attention swapped for the duration of the call for :class:`CachedDepthAttention`: it writes the
 positions' keys and values into the depth's cache and attends over the cache (the CPU paged
 attention of :mod:`paged_attention`, which reads only the blocks in use). Positions past a
-request's range are padding: their keys go to a scratch block and their outputs are never read.
+request's range are padding: their keys go to a scratch block and their outputs are never read;
+on a CPU the layer skips them (:func:`_kept_positions`).
 
 A draft costs (accepted tokens + d) positions of one MTP layer per depth and step, independent
 of the sequence length but for attention's reads of the cache. Exact: every draft's logits equal
@@ -86,7 +87,9 @@ def mtp_cache_share(kv_layers: int, num_depths: int) -> float:
 
 class MTPKVCache:
     """Keys and values of each MTP depth's attention: ``[D, 2, blocks + 1, block size, heads, head
-    dim]``, addressed by the engine's block ids (block ``blocks`` is scratch for padding)."""
+    dim]``, addressed by the engine's block ids (block ``blocks`` is scratch for padding).
+    Allocated zeroed and written only with keys and values, so a slot a request has not written
+    holds a finite number, which the attention's mask weighs exactly zero without zeroing it."""
 
     def __init__(self, attention, num_depths: int, num_blocks: int, block_size: int, dtype: torch.dtype, device):
         heads = attention.num_query_groups_per_partition
@@ -121,14 +124,18 @@ class CachedDepthAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         layout = self.layout
         rows, width = layout["slots"].shape
-        count = rows * width
+        kept = layout["kept"]  # None: every [R, W] position is a row; else the rows are these positions
+        count = rows * width if kept is None else kept.numel()
         pairs = self.cache.view(2, -1, *self.cache.shape[3:])
-        pairs[:, layout["slots"].reshape(-1)] = torch.stack([key[:count, 0], value[:count, 0]]).to(pairs.dtype)
-        queries = query[:count, 0].reshape(rows, width, *query.shape[2:])
+        slots = layout["slots"].reshape(-1)
+        pairs[:, slots if kept is None else slots[kept]] = torch.stack([key[:count, 0], value[:count, 0]]).to(pairs.dtype)
+        queries = query[:count, 0] if kept is None else query.new_zeros(rows * width, *query.shape[2:]).index_copy_(0, kept, query[:count, 0])
         attended = paged_attention_over_pairs(
-            queries, layout["query_lengths"], self.cache, layout["block_table"], layout["key_lengths"], self.softmax_scale
-        )
-        output = attended.reshape(count, 1, -1)
+            queries.reshape(rows, width, *query.shape[2:]), layout["query_lengths"], self.cache, layout["block_table"],
+            layout["key_lengths"], self.softmax_scale, slots_hold_finite_values=True,  # MTPKVCache: zeroed, then written
+        )  # fmt: skip
+        attended = attended.reshape(rows * width, -1)
+        output = (attended if kept is None else attended[kept]).reshape(count, 1, -1)
         missing = query.shape[0] - count  # rows padded for sequence parallelism
         return torch.cat([output, output.new_zeros(missing, 1, output.shape[-1])]) if missing else output
 
@@ -210,6 +217,7 @@ class IncrementalDrafts:
             "query_lengths": verified - start,
             "key_lengths": verified,
             "block_table": state["block_table"],
+            "kept": _kept_positions(valid),
         }
         output = self._run_layer(depth, hidden, tokens, positions, layout)
         state["previous_start"], state["previous_output"] = start, output  # the next depth's inputs
@@ -249,11 +257,15 @@ class IncrementalDrafts:
 
         model = self.model
         rows, width, hidden_size = hidden.shape
-        count = rows * width
+        kept = layout["kept"]
+        hidden, positions, tokens = hidden.reshape(-1, hidden_size), positions.reshape(-1), tokens.reshape(-1)
+        if kept is not None:
+            hidden, positions, tokens = hidden[kept], positions[kept], tokens[kept]
+        count = positions.numel()
         padded = -(-count // sequence_parallel_multiple(model)) * sequence_parallel_multiple(model)
-        packed = pad_rows(hidden.reshape(count, 1, hidden_size), padded)
-        flat_positions = pad_rows(positions.reshape(count), padded)
-        token_ids = pad_rows(tokens.reshape(count), padded)[None, :]
+        packed = pad_rows(hidden[:, None, :], padded)
+        flat_positions = pad_rows(positions, padded)
+        token_ids = pad_rows(tokens, padded)[None, :]
         rotary = self.rotary[flat_positions.clamp(max=self.rotary.shape[0] - 1)] if self.rotary is not None else None
         embedding_positions = (flat_positions + depth + 1).clamp(max=model.max_sequence_length - 1)[None, :]
         if model.config.sequence_parallel:
@@ -270,7 +282,21 @@ class IncrementalDrafts:
             )
         if model.config.sequence_parallel:
             output = gather_from_sequence_parallel_region(output)
-        return output[:count, 0].reshape(rows, width, hidden_size)
+        output = output[:count, 0]
+        if kept is not None:  # positions left out read zeros (never read: module docstring)
+            output = output.new_zeros(rows * width, hidden_size).index_copy_(0, kept, output)
+        return output.reshape(rows, width, hidden_size)
+
+
+def _kept_positions(valid: torch.Tensor) -> torch.Tensor | None:
+    """The flat indices of the ``[R, W]`` positions that are in their request's range, for the
+    layer to run on those alone; None (every position runs, padding included) off the CPU. On a
+    CPU a padding position costs what a real one does: at k = 1 with a draft rejected, the second
+    position of every such request. Finding them reads their count back to the host, which on a
+    GPU would wait for the device at every depth, where padding rows cost next to nothing."""
+    if valid.device.type != "cpu":
+        return None
+    return valid.reshape(-1).nonzero().squeeze(1)
 
 
 @contextlib.contextmanager

@@ -144,6 +144,38 @@ def test_cache_slots_that_hold_no_key_do_not_reach_the_output(garbage):
         torch.testing.assert_close(pairs[request], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_buffer_whose_slots_hold_finite_values_needs_no_zeroing_for_the_same_output():
+    """The MTP caches' promise (allocated zeroed, written only with keys and values): the slots
+    past each request's keys hold finite leftovers of other requests. Without zeroing them the
+    output is bit for bit the zeroing path's; the control: the same leftovers as NaN wreck the
+    rows that see them when the zeroing is skipped (NaN rows come out as zeros)."""
+    generator = torch.Generator().manual_seed(6)
+    key_lengths, query_lengths = [6, 3, 11], [2, 1, 3]
+    key_cache, value_cache, block_table, keys, values = _paged_cache(key_lengths, generator)
+    written = torch.zeros(key_cache.shape[:2], dtype=torch.bool)
+    for request, length in enumerate(key_lengths):
+        for position in range(length):
+            written[block_table[request, position // BLOCK_SIZE], position % BLOCK_SIZE] = True
+    leftovers = 100.0 * torch.randn(key_cache.shape, generator=generator)
+    key_cache[~written], value_cache[~written] = leftovers[~written], -leftovers[~written]
+    queries = torch.randn(3, 3, HEADS, DIM, generator=generator)
+    lengths = (torch.tensor(query_lengths), torch.tensor(key_lengths))
+
+    def attend(cache, finite):
+        return paged_attention_over_pairs(queries, lengths[0], cache, block_table, lengths[1], DIM**-0.5, slots_hold_finite_values=finite)
+
+    pairs = torch.stack([key_cache, value_cache])
+    unzeroed = attend(pairs, True)
+    assert torch.equal(unzeroed, attend(pairs, False))
+    for request, count in enumerate(query_lengths):
+        torch.testing.assert_close(unzeroed[request, :count], _dense(queries[request, :count], keys[request], values[request]), rtol=1e-5, atol=1e-5)
+    pairs[:, ~written] = float("nan")
+    wrecked = attend(pairs, True)
+    assert any(
+        not torch.allclose(wrecked[request, :count], unzeroed[request, :count]) for request, count in enumerate(query_lengths)
+    )
+
+
 def test_chunks_of_uneven_size_cover_every_request():
     """Seven requests of ragged lengths in chunks of three (3, 3, 1): each row against its dense
     reference, so a chunk written to the wrong rows or a request left out fails."""

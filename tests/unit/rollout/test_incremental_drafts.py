@@ -82,15 +82,28 @@ def _check(gaps, rollouts, k):
     ],
     ids=["one layer", "two layers", "repeated layer, three depths"],
 )
-def test_every_draft_equals_the_sequence_path(draft_gaps, mtp_num_layers, k, repeated):
+def test_every_draft_equals_the_sequence_path(draft_gaps, monkeypatch, mtp_num_layers, k, repeated):
     """Untrained heads at temperature 0.5 disagree with the policy often: many rejections. A
-    second rollout on the same engine, in another order, starts from fresh caches."""
+    second rollout on the same engine, in another order, starts from fresh caches. On the CPU the
+    layer runs only the positions in range: rounds with padding left out are among them."""
+    kept_positions = incremental_drafts._kept_positions
+    left_out = []
+    monkeypatch.setattr(incremental_drafts, "_kept_positions", lambda valid: left_out.append(int((~valid).sum())) or kept_positions(valid))
     overrides = engine_overrides(k, mtp_num_layers, megatron_cfg__mtp_use_repeated_layer=repeated, **MIXED_STEPS)
     policy, cfg = make_policy(**overrides, generation__temperature=0.5)
     engine = RolloutEngine(policy, cfg)
     _check(draft_gaps, generate(engine, PROMPTS * 2, seed=3), k)
     draft_gaps.clear()
     _check(draft_gaps, generate(engine, PROMPTS[::-1] * 2, seed=4), k)
+    assert sum(count > 0 for count in left_out) >= 3, left_out
+
+
+def test_with_every_position_run_as_on_a_gpu_every_draft_equals_the_sequence_path(draft_gaps, monkeypatch):
+    """Off the CPU the layer runs every ``[R, W]`` position, padding included (finding the ones in
+    range would read their count back from the device): that layout, forced here, drafts the same."""
+    monkeypatch.setattr(incremental_drafts, "_kept_positions", lambda valid: None)
+    policy, cfg = make_policy(**engine_overrides(2, 2, **MIXED_STEPS), generation__temperature=0.5)
+    _check(draft_gaps, generate(RolloutEngine(policy, cfg), PROMPTS * 2, seed=3), 2)
 
 
 def test_every_draft_of_trained_heads_equals_the_sequence_path(trained_policy, draft_gaps):
