@@ -7,6 +7,9 @@ training). On a GPU each is a host-device synchronisation. Per decode step, from
   engine's bookkeeping, which megatron keeps on the host (no synchronisation on a GPU);
 - the engine's bookkeeping: the step's tokens to the host, once (``merged_tokens``: the tokens and
   their counts, two reads; megatron reads its sample and accepted drafts there too);
+- the step's log-prob lists (``speculative_kernels.decode_log_probs``): the log-probs and the
+  accepted counts, two reads, where megatron's own method read each request's count and row
+  apart (two per request);
 - the CPU paged attention (a stand-in for flash-attn that exists only without a device): the
   longest key length, once per decoder layer.
 
@@ -88,6 +91,7 @@ def test_a_decode_step_reads_the_host_a_fixed_number_of_times(k, monkeypatch):
     if k:
         expected["rollout/bookkeeping.py"] = 2
         expected["rollout/incremental_drafts.py"] = 1
+        expected["megatron_compat/speculative_kernels.py"] = 2
     for step, reads in enumerate(decode_steps, start=2):
         assert reads == expected, (step, reads)
     prefill = Counter({"megatron_compat/cpu/paged_attention.py": 2 * num_layers})
