@@ -152,7 +152,7 @@ _LOG_PROBS_SIGNATURE = (
     if hasattr(TextGenerationController, "_dynamic_step_calculate_log_probs_speculative")
     else None
 )
-_LOG_PROBS_TAKES_LOGITS = _LOG_PROBS_SIGNATURE is not None and "logits" in _LOG_PROBS_SIGNATURE.parameters
+_LOG_PROBS_TAKES_LOGITS = engine_probes.takes_step_logits(TextGenerationController)
 
 
 # The oldest release on which an accepted end-of-sequence draft is shown to end its request (the

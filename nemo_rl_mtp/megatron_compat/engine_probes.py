@@ -85,7 +85,7 @@ def changed_names(engine, generation_cfg) -> list[str]:
     model = unwrapped_model(controller)
     problems = class_names_changed(model, generation_cfg)
     problems += _attributes(controller, COUNTING_ATTRIBUTES, "controller")
-    if not _takes_step_logits(_megatron_class(controller)):  # 0.18 on: the step's logits kept on the controller
+    if not takes_step_logits(_megatron_class(controller)):  # 0.18 on: the step's logits kept on the controller
         problems += _attributes(controller, ("_all_logits_cuda",), "controller")
     problems += _methods(_megatron_class(engine), ENGINE_METHODS, "engine")
     problems += _attributes(engine, ENGINE_ATTRIBUTES, "engine")
@@ -292,7 +292,7 @@ def _takes(method, leading: list[str]) -> bool:
     return parameters[: len(leading)] == leading
 
 
-def _takes_step_logits(controller_class: type) -> bool:
+def takes_step_logits(controller_class: type) -> bool:
     """Whether megatron's speculative log-probs take the step's logits as an argument (0.17)."""
     method = getattr(controller_class, "_dynamic_step_calculate_log_probs_speculative", None)
     return method is not None and "logits" in inspect.signature(method).parameters
