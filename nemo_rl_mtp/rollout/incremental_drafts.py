@@ -30,7 +30,9 @@ attention swapped for the duration of the call for :class:`CachedDepthAttention`
 positions' keys and values into the depth's cache and attends over the cache (the CPU paged
 attention of :mod:`paged_attention`, which reads only the blocks in use). Positions past a
 request's range are padding: their keys go to a scratch block and their outputs are never read;
-on a CPU the layer skips them (:func:`_kept_positions`).
+on a CPU the layer skips them (:func:`_kept_positions`). The last depth's outputs are read at
+each request's last position only, so its other positions run the layer only as far as their
+keys and values (:meth:`IncrementalDrafts._keys_then_last`).
 
 A draft costs (accepted tokens + d) positions of one MTP layer per depth and step, independent
 of the sequence length but for attention's reads of the cache. Exact: every draft's logits equal
@@ -111,15 +113,24 @@ class MTPKVCache:
         return blocks * self.block_size + positions % self.block_size
 
 
+class KeysWritten(Exception):
+    """Raised by a keys-only :class:`CachedDepthAttention` once its keys and values are cached: it
+    ends the layer's forward there (the output projection and the MLP would compute outputs no
+    one reads), and :meth:`IncrementalDrafts._run_layer` catches it."""
+
+
 class CachedDepthAttention(torch.nn.Module):
     """Core attention of one MTP depth over its cache, for one draft round: queries, keys and
     values ``[R * W, 1, heads, head dim]`` of the packed positions (request-major); their keys and
     values are written at ``slots`` and each position attends causally over its request's keys
-    0..position. Returns ``[R * W, 1, heads * head dim]``."""
+    0..position. Returns ``[R * W, 1, heads * head dim]``; ``keys_only``: raises
+    :class:`KeysWritten` after writing instead."""
 
-    def __init__(self, cache: torch.Tensor, layout: dict, softmax_scale: float):
+    def __init__(self, cache: torch.Tensor, softmax_scale: float):
         super().__init__()
-        self.cache, self.layout, self.softmax_scale = cache, layout, softmax_scale
+        self.cache, self.softmax_scale = cache, softmax_scale
+        self.layout: dict = {}  # the call's (IncrementalDrafts._run_layer sets it and keys_only)
+        self.keys_only = False
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         layout = self.layout
@@ -129,6 +140,8 @@ class CachedDepthAttention(torch.nn.Module):
         pairs = self.cache.view(2, -1, *self.cache.shape[3:])
         slots = layout["slots"].reshape(-1)
         pairs[:, slots if kept is None else slots[kept]] = torch.stack([key[:count, 0], value[:count, 0]]).to(pairs.dtype)
+        if self.keys_only:
+            raise KeysWritten
         queries = query[:count, 0] if kept is None else query.new_zeros(rows * width, *query.shape[2:]).index_copy_(0, kept, query[:count, 0])
         attended = paged_attention_over_pairs(
             queries.reshape(rows, width, *query.shape[2:]), layout["query_lengths"], self.cache, layout["block_table"],
@@ -152,6 +165,10 @@ class IncrementalDrafts:
             self.attentions[0], num_depths, context.kv_block_allocator.total_count, context.block_size_tokens,
             model.config.params_dtype, parameter.device,
         )
+        # Built once: a module's construction costs about 50 us, a tenth of a batch-1 draft's layer.
+        self.cores = [
+            CachedDepthAttention(self.cache.buffer[depth], attention.core_attention.softmax_scale) for depth, attention in enumerate(self.attentions)
+        ]
         self.rotary = None
         if model.position_embedding_type == "rope":
             self.rotary = model.rotary_pos_emb(context.max_sequence_length + num_depths + 1)
@@ -177,13 +194,15 @@ class IncrementalDrafts:
         first_position = step_positions[starts]
         accepted = last_accepted.to(device) - starts + 1
         # Both read the engine's host-side bookkeeping (megatron keeps it on the host): no device sync.
-        widest_step = self.num_depths + 1 if context.is_decode_only() else int(context.request_query_lengths[active].max())
+        decode_only = context.is_decode_only()
+        widest_step = self.num_depths + 1 if decode_only else int(context.request_query_lengths[active].max())
         blocks_in_use = int(context.request_kv_block_counts[active].max())
         width = widest_step  # depth d's range: the step's accepted positions and d before them
         columns = torch.arange(width + self.num_depths, device=device)
         tape_index = (starts[:, None] + columns[None, :]).clamp(max=num_tokens - 1)
         self._round = {
             "request_ids": context.request_ids[active].to(device).long(),
+            "decode_only": decode_only,
             "hidden": hidden[:, 0],
             "starts": starts,
             "first_position": first_position,
@@ -212,17 +231,57 @@ class IncrementalDrafts:
         valid = positions < verified[:, None]
         hidden = self._depth_inputs(depth, start, positions)
         tokens = state["tape"].gather(1, (positions + depth + 1 - first[:, None]).clamp(0, state["tape"].shape[1] - 1))
-        layout = {
+        last_column = verified - start - 1
+        if self._splits(depth, positions.device):
+            last = self._keys_then_last(depth, hidden, tokens, positions, valid, last_column)
+            return last, output_logits(self.model, last)
+        layout = self._layout(positions, valid, query_lengths=verified - start)
+        output = self._run_layer(depth, hidden, tokens, positions, layout)
+        state["previous_start"], state["previous_output"] = start, output  # the next depth's inputs
+        last = output[rows, last_column].unsqueeze(1)
+        return last, output_logits(self.model, last)
+
+    def _layout(self, positions: torch.Tensor, valid: torch.Tensor, query_lengths: torch.Tensor) -> dict:
+        """Where the layer's positions ``[R, W]`` write their keys and what they attend to."""
+        state = self._round
+        return {
             "slots": self.cache.slots(state["block_table"], positions, valid),
-            "query_lengths": verified - start,
-            "key_lengths": verified,
+            "query_lengths": query_lengths,
+            "key_lengths": state["verified"],
             "block_table": state["block_table"],
             "kept": _kept_positions(valid),
         }
-        output = self._run_layer(depth, hidden, tokens, positions, layout)
-        state["previous_start"], state["previous_output"] = start, output  # the next depth's inputs
-        last = output[rows, verified - start - 1].unsqueeze(1)
-        return last, output_logits(self.model, last)
+
+    def _splits(self, depth: int, device: torch.device) -> bool:
+        """Whether depth ``depth`` runs as a keys-only pass and a pass over the last positions
+        (:meth:`_keys_then_last`): the last depth, whose outputs no later depth reads, in a round
+        with prefill requests (their whole prompts), and on a CPU in every round. On a GPU a
+        decode round's few positions per request cost less than a second pass's kernel launches."""
+        return depth == self.num_depths - 1 and (not self._round["decode_only"] or _on_cpu(device))
+
+    def _keys_then_last(
+        self, depth: int, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, last_column: torch.Tensor
+    ) -> torch.Tensor:
+        """The last depth (:meth:`_splits`): the round reads only each request's output at its
+        last position, so the positions before it need only their keys and values in the cache.
+        A keys-only pass (megatron's layer up to its core attention, :class:`KeysWritten`) writes
+        them, then the whole layer runs on the last position of each request, attending over
+        them. At 512 prompts the MLP, the output projection and the attention of all but 512
+        positions are not computed: the prefill round's MTP layer at k = 1 took 82 -> 26 ms of
+        CPU. Returns the hidden states ``[R, 1, H]`` at the last positions."""
+        state = self._round
+        before_last = valid & (positions < state["verified"][:, None] - 1)
+        keys_layout = self._layout(positions, before_last, query_lengths=state["verified"])  # query lengths: unread
+        if keys_layout["kept"] is None or keys_layout["kept"].numel():  # a CPU skips a pass of no positions
+            self._run_layer(depth, hidden, tokens, positions, keys_layout, keys_only=True)
+        rows = torch.arange(positions.shape[0], device=positions.device)
+
+        def at_last(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor[rows, last_column].unsqueeze(1)
+
+        last_positions = at_last(positions)
+        layout = self._layout(last_positions, torch.ones_like(last_positions, dtype=torch.bool), query_lengths=torch.ones_like(last_column))
+        return self._run_layer(depth, at_last(hidden), at_last(tokens), last_positions, layout)
 
     def _depth_inputs(self, depth: int, start: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[R, W, H]: depth ``depth``'s input hidden state at each position of its range: the
@@ -249,10 +308,13 @@ class IncrementalDrafts:
         column = (state["verified"] - depth - state["previous_start"]).clamp(0, state["previous_output"].shape[1] - 1)
         return state["previous_output"][torch.arange(column.numel(), device=column.device), column]
 
-    def _run_layer(self, depth: int, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, layout: dict) -> torch.Tensor:
+    def _run_layer(
+        self, depth: int, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, layout: dict, keys_only: bool = False
+    ) -> torch.Tensor | None:
         """megatron's MTP layer for ``depth`` over the packed positions [R, W] (hidden [R, W, H]),
         the token embedding zeroed at position 0 where the model's MTP layers zero it (padding
-        sits at position 0 too: its outputs are never read); returns its output [R, W, H]."""
+        sits at position 0 too: its outputs are never read); returns its output [R, W, H], or
+        with ``keys_only`` stops once the positions' keys and values are cached (returns None)."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 
         model = self.model
@@ -270,16 +332,19 @@ class IncrementalDrafts:
         embedding_positions = (flat_positions + depth + 1).clamp(max=model.max_sequence_length - 1)[None, :]
         if model.config.sequence_parallel:
             packed = scatter_to_sequence_parallel_region(packed)
-        attention = self.attentions[depth]
-        core = CachedDepthAttention(self.cache.buffer[depth], layout, attention.core_attention.softmax_scale)
-        with _swapped_core_attention(attention, core):
-            output = mtp_layer(model, depth).forward_single_position(
-                hidden_states=packed,
-                next_token_ids=token_ids,
-                position_ids=embedding_positions,
-                embedding=draft_embedding(model, flat_positions[None, :]),
-                rotary_pos_emb=rotary,
-            )
+        core = self.cores[depth]
+        core.layout, core.keys_only = layout, keys_only
+        with _swapped_core_attention(self.attentions[depth], core):
+            try:
+                output = mtp_layer(model, depth).forward_single_position(
+                    hidden_states=packed,
+                    next_token_ids=token_ids,
+                    position_ids=embedding_positions,
+                    embedding=draft_embedding(model, flat_positions[None, :]),
+                    rotary_pos_emb=rotary,
+                )
+            except KeysWritten:
+                return None
         if model.config.sequence_parallel:
             output = gather_from_sequence_parallel_region(output)
         output = output[:count, 0]
@@ -290,13 +355,21 @@ class IncrementalDrafts:
 
 def _kept_positions(valid: torch.Tensor) -> torch.Tensor | None:
     """The flat indices of the ``[R, W]`` positions that are in their request's range, for the
-    layer to run on those alone; None (every position runs, padding included) off the CPU. On a
-    CPU a padding position costs what a real one does: at k = 1 with a draft rejected, the second
-    position of every such request. Finding them reads their count back to the host, which on a
-    GPU would wait for the device at every depth, where padding rows cost next to nothing."""
-    if valid.device.type != "cpu":
+    layer to run on those alone; None (every position runs, padding included) off the CPU, or
+    where every position is in range. On a CPU a padding position costs what a real one does: at
+    k = 1 with a draft rejected, the second position of every such request. Finding them reads
+    their count back to the host, which on a GPU would wait for the device at every depth, where
+    padding rows cost next to nothing."""
+    if not _on_cpu(valid.device):
         return None
-    return valid.reshape(-1).nonzero().squeeze(1)
+    kept = valid.reshape(-1).nonzero().squeeze(1)
+    return None if kept.numel() == valid.numel() else kept  # all in range: no index to apply
+
+
+def _on_cpu(device: torch.device) -> bool:
+    """Whether the drafts run on a CPU, where every position run costs its full compute and a
+    host read costs nothing (on a GPU: the reverse)."""
+    return device.type == "cpu"
 
 
 @contextlib.contextmanager

@@ -85,10 +85,19 @@ def _check(gaps, rollouts, k):
 def test_every_draft_equals_the_sequence_path(draft_gaps, monkeypatch, mtp_num_layers, k, repeated):
     """Untrained heads at temperature 0.5 disagree with the policy often: many rejections. A
     second rollout on the same engine, in another order, starts from fresh caches. On the CPU the
-    layer runs only the positions in range: rounds with padding left out are among them."""
+    layer runs only the positions in range: rounds with padding left out are among them; and the
+    last depth runs keys-only passes in prefill and in decode rounds."""
     kept_positions = incremental_drafts._kept_positions
     left_out = []
     monkeypatch.setattr(incremental_drafts, "_kept_positions", lambda valid: left_out.append(int((~valid).sum())) or kept_positions(valid))
+    run_layer, keys_only_rounds = incremental_drafts.IncrementalDrafts._run_layer, []
+
+    def recording_keys_only(self, depth, hidden, tokens, positions, layout, keys_only=False):
+        if keys_only:
+            keys_only_rounds.append("decode" if self._round["decode_only"] else "prefill")
+        return run_layer(self, depth, hidden, tokens, positions, layout, keys_only)
+
+    monkeypatch.setattr(incremental_drafts.IncrementalDrafts, "_run_layer", recording_keys_only)
     overrides = engine_overrides(k, mtp_num_layers, megatron_cfg__mtp_use_repeated_layer=repeated, **MIXED_STEPS)
     policy, cfg = make_policy(**overrides, generation__temperature=0.5)
     engine = RolloutEngine(policy, cfg)
@@ -96,12 +105,14 @@ def test_every_draft_equals_the_sequence_path(draft_gaps, monkeypatch, mtp_num_l
     draft_gaps.clear()
     _check(draft_gaps, generate(engine, PROMPTS[::-1] * 2, seed=4), k)
     assert sum(count > 0 for count in left_out) >= 3, left_out
+    assert {"prefill", "decode"} <= set(keys_only_rounds), keys_only_rounds
 
 
 def test_with_every_position_run_as_on_a_gpu_every_draft_equals_the_sequence_path(draft_gaps, monkeypatch):
     """Off the CPU the layer runs every ``[R, W]`` position, padding included (finding the ones in
-    range would read their count back from the device): that layout, forced here, drafts the same."""
-    monkeypatch.setattr(incremental_drafts, "_kept_positions", lambda valid: None)
+    range would read their count back from the device), and the last depth of a decode round in
+    one pass: that layout, forced here, drafts the same."""
+    monkeypatch.setattr(incremental_drafts, "_on_cpu", lambda device: False)
     policy, cfg = make_policy(**engine_overrides(2, 2, **MIXED_STEPS), generation__temperature=0.5)
     _check(draft_gaps, generate(RolloutEngine(policy, cfg), PROMPTS * 2, seed=3), 2)
 
