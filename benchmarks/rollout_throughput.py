@@ -22,7 +22,10 @@ clock (the breakdown too; both clocks' ratios are printed): on a machine shared 
 their load lands on whichever variant runs while they do, and the CPU time leaves it out.
 ``--beside-load`` runs a second CPU-bound process beside the whole benchmark (a one-thread
 matmul loop), as another job on a shared machine would; the output says so. The line after the
-first table gives auto's worst cell against k = 0 and against the best fixed k.
+first table gives auto's worst cell against k = 0 and against the best fixed k, from the
+medians and paired: the median over repeats of auto's tokens/s over the other variant's in the
+same repeat (the variants' order rotates from repeat to repeat), which a load drifting over
+minutes does not bias.
 """
 
 from __future__ import annotations
@@ -218,6 +221,14 @@ class Variant:
     def rate_by(self, clock_name: str) -> float:
         return self.tokens / statistics.median(self.times[clock_name])
 
+    def paired(self, other: "Variant") -> float:
+        """The median over repeats of this variant's tokens/s over ``other``'s in the same repeat:
+        runs of one repeat follow each other, so a load that drifts over minutes cancels."""
+        clock_name = CLOCK_NAME[0]
+        return statistics.median(
+            (self.tokens / mine) / (other.tokens / theirs) for mine, theirs in zip(self.times[clock_name], other.times[clock_name])
+        )
+
     def acceptance(self) -> list[float]:
         proposed, accepted = self.output["draft_proposed"], self.output["draft_accepted"]
         return [100.0 * float(a) / max(float(p), 1.0) for p, a in zip(proposed, accepted)]
@@ -234,7 +245,8 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
     for warm_up in range(args.mtp_layers + 1):
         variants[-1].run(prompts, seed=1000 + warm_up, phases_of=phases_of, timed=False)
     for repeat in range(args.repeats):
-        for variant in variants:
+        shift = repeat % len(variants)  # each variant's place in the order rotates
+        for variant in variants[shift:] + variants[:shift]:
             variant.run(prompts, seed=repeat, phases_of=phases_of)
     memory = kv_memory(variants[args.mtp_layers].rollout_engine.engine)
     result = {"heads": heads, "new_tokens": new_tokens, "batch": batch, "variants": variants, "memory": memory}
@@ -248,7 +260,8 @@ def throughput_table(cells: list[dict], args) -> str:
     names = [f"k={k}" for k in range(1, args.mtp_layers + 1)]
     other = "cpu" if CLOCK_NAME[0] == "wall" else "wall"
     header = ["heads", "new tokens", "prompts", "response tokens (mean)", "k=0 tokens/s", *[f"{name} vs k=0" for name in names],
-              "auto vs k=0 (k of its runs)", "auto vs best fixed k", f"{other} clock: {', '.join(names)}, auto vs k=0",
+              "auto vs k=0 (k of its runs)", "auto vs best fixed k", "paired per repeat: auto vs k=0, vs best fixed k",
+              f"{other} clock: {', '.join(names)}, auto vs k=0",
               "acceptance, draft 1 / 2 (k=2)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in cells:
@@ -256,12 +269,14 @@ def throughput_table(cells: list[dict], args) -> str:
         base = variants["k=0"].rate
         auto = variants["auto"]
         best_fixed = max(variants[name].rate for name in ["k=0", *names])
+        best_variant = max((variants[name] for name in ["k=0", *names]), key=lambda variant: variant.rate)
         deepest = variants[names[-1]]
         mean_length = deepest.tokens / cell["batch"]
         lines.append(
             f"| {cell['heads']} | {cell['new_tokens']} | {cell['batch']} | {mean_length:.0f} | {base:.0f} | "
             + " | ".join(f"{variants[name].rate / base:.2f}x" for name in names)
             + f" | {auto.rate / base:.2f}x (k={'/'.join(map(str, auto.chosen))}) | {auto.rate / best_fixed:.2f} | "
+            + f"{auto.paired(variants['k=0']):.2f}, {auto.paired(best_variant):.2f} | "
             + ", ".join(f"{variants[name].rate_by(other) / variants['k=0'].rate_by(other):.2f}x" for name in [*names, "auto"])
             + " | "
             + " / ".join(f"{rate:.0f}%" for rate in deepest.acceptance())
@@ -273,13 +288,18 @@ def throughput_table(cells: list[dict], args) -> str:
 def auto_summary(cells: list[dict], args) -> str:
     """The issue's goals in one line: auto's worst ratio against k = 0 and against the best fixed k."""
     names = ["k=0", *[f"k={k}" for k in range(1, args.mtp_layers + 1)]]
-    against_k0, against_best = [], []
+    against_k0, against_best, paired_k0, paired_best = [], [], [], []
     for cell in cells:
         variants = {variant.name: variant for variant in cell["variants"]}
-        against_k0.append(variants["auto"].rate / variants["k=0"].rate)
-        against_best.append(variants["auto"].rate / max(variants[name].rate for name in names))
+        auto, best = variants["auto"], max((variants[name] for name in names), key=lambda variant: variant.rate)
+        against_k0.append(auto.rate / variants["k=0"].rate)
+        against_best.append(auto.rate / best.rate)
+        paired_k0.append(auto.paired(variants["k=0"]))
+        paired_best.append(auto.paired(best))
     return (f"\nauto, worst cell: {min(against_k0):.2f}x k = 0, {min(against_best):.2f}x the best fixed k "
-            f"(goal: both >= 0.97); median cell: {statistics.median(against_k0):.2f}x, {statistics.median(against_best):.2f}x")
+            f"(goal: both >= 0.97); median cell: {statistics.median(against_k0):.2f}x, {statistics.median(against_best):.2f}x"
+            f"\npaired per repeat, worst cell: {min(paired_k0):.2f}x k = 0, {min(paired_best):.2f}x the best fixed k; "
+            f"median cell: {statistics.median(paired_k0):.2f}x, {statistics.median(paired_best):.2f}x")
 
 
 BREAKDOWN_COLUMNS = ["trunk", "trunk attention", "drafts", "draft attention", "verification", "bookkeeping", "engine bookkeeping"]
