@@ -84,8 +84,11 @@ def counting_task(num_prompts: int, length: int, generator: torch.Generator) -> 
 
 
 def config(args, k, new_tokens: int, batch: int):
-    """The policy config of one cell: room in the engine for the whole batch at full length."""
-    bytes_per_token = 2 * (2 + args.mtp_layers) * 64 * 4  # K and V of the decoder and MTP layers (tiny model)
+    """The policy config of one cell: room in the engine for the whole batch at full length (the
+    keys and values of the decoder's and the MTP layers, fp32), so no request waits for blocks."""
+    model = load_checked_config(overrides=list(args.overrides)).policy.megatron_cfg
+    kv_width = model.hidden_size * model.num_query_groups // model.num_attention_heads
+    bytes_per_token = 2 * (model.num_layers + args.mtp_layers) * kv_width * 4
     buffer_gb = 1.5 * batch * (new_tokens + PROMPT_TOKENS + 4) * bytes_per_token / 1024**3
     return load_checked_config(
         overrides=[

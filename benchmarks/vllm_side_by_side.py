@@ -16,7 +16,8 @@ after the other); 512 x 64 and 1 x 64 (8 prompts one after the other), the end-o
 ignored. Each round runs every cell in all four variants (ours and vLLM's, k = 0 and 1), their
 order rotated from round to round; tokens/s is generated tokens over the seconds of the generate
 calls, the median over rounds. Printed: the table with our/vLLM's k = 0 speed and each engine's
-k1/k0; each engine's draft acceptance; how many greedy responses are identical between the
+k1/k0, from the medians and paired (the median over rounds of k = 1's tokens/s over k = 0's in
+the same round, which a load drifting over minutes does not bias); each engine's draft acceptance; how many greedy responses are identical between the
 engines (at k = 0) and between k = 0 and 1 within each.
 
 The k1/k0 ratio depends on acceptance as much as on a step's cost; with the random default
@@ -209,8 +210,9 @@ class Vllm:
 
 def table(results: dict) -> str:
     lines = [
-        "| requests x new tokens | ours k=0 | ours k=1 | vLLM k=0 | vLLM k=1 | ours/vLLM at k=0 | k1/k0 ours | k1/k0 vLLM | acceptance ours / vLLM |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| requests x new tokens | ours k=0 | ours k=1 | vLLM k=0 | vLLM k=1 | ours/vLLM at k=0 | k1/k0 ours | k1/k0 vLLM "
+        "| paired per round: k1/k0 ours, vLLM | acceptance ours / vLLM |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in CELLS:
         rate = {variant: statistics.median(run.tokens / run.seconds for run in results[cell, variant]) for variant in VARIANTS}
@@ -221,9 +223,17 @@ def table(results: dict) -> str:
         lines.append(
             f"| {cell.name} | {rate['ours', 0]:.0f} | {rate['ours', 1]:.0f} | {rate['vllm', 0]:.0f} | {rate['vllm', 1]:.0f} | "
             f"{rate['ours', 0] / rate['vllm', 0]:.2f} | {rate['ours', 1] / rate['ours', 0]:.2f} | {rate['vllm', 1] / rate['vllm', 0]:.2f} | "
+            f"{paired_k1_over_k0(results, cell, 'ours'):.2f}, {paired_k1_over_k0(results, cell, 'vllm'):.2f} | "
             f"{acceptance[0]:.1f}% / {acceptance[1]:.1f}% |"
         )
     return "\n".join(lines)
+
+
+def paired_k1_over_k0(results: dict, cell: Cell, engine: str) -> float:
+    """The median over rounds of an engine's k = 1 tokens/s over its k = 0 tokens/s in the same
+    round: the two ran within one round of the cell, so a load that drifts over minutes cancels."""
+    pairs = zip(results[cell, (engine, 1)], results[cell, (engine, 0)])
+    return statistics.median((k1.tokens / k1.seconds) / (k0.tokens / k0.seconds) for k1, k0 in pairs)
 
 
 def agreement(results: dict) -> str:

@@ -116,7 +116,10 @@ class MTPKVCache:
 class KeysWritten(Exception):
     """Raised by a keys-only :class:`CachedDepthAttention` once its keys and values are cached: it
     ends the layer's forward there (the output projection and the MLP would compute outputs no
-    one reads), and :meth:`IncrementalDrafts._run_layer` catches it."""
+    one reads), and :meth:`IncrementalDrafts._run_layer` catches it. Every tensor-parallel rank
+    raises at the same point. Around the core attention megatron (0.17-0.19) opens only an
+    activation-offloading context, inert outside training, and an nvtx range, which stays pushed
+    (a no-op unless profiling): nothing of the model's state is left half-done."""
 
 
 class CachedDepthAttention(torch.nn.Module):
