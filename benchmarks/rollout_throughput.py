@@ -49,7 +49,7 @@ from nemo_rl_mtp.rollout.engine import RolloutEngine, kv_memory  # noqa: E402
 from nemo_rl_mtp.rollout.speculation import speculation_metrics  # noqa: E402
 from nemo_rl_mtp.megatron_compat.cpu import paged_attention  # noqa: E402
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
-from nemo_rl_mtp.cluster.worker import freeze_startup_heap  # noqa: E402
+from nemo_rl_mtp.cluster.worker import freeze_startup_heap, keep_freed_host_memory  # noqa: E402
 from nemo_rl_mtp.grpo.checked_config import load_checked_config  # noqa: E402
 from tests.support.helpers import free_port  # noqa: E402
 
@@ -437,6 +437,7 @@ def run_benchmark(args) -> None:
     initialize_model_parallel(base.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{free_port()}")
     torch.manual_seed(base.megatron_cfg.seed)
     policy = setup_megatron_policy(base, TOKENIZER.vocab_size)
+    keep_freed_host_memory()  # as a policy worker does
     freeze_startup_heap()  # as a policy worker does after its set-up
     phases_of = {}
     attention_timers(phases_of)

@@ -9,6 +9,8 @@ Ours loads it through megatron-bridge into the policy model, as a run does, and 
 ``RolloutEngine`` (megatron-core's dynamic engine, the MTP heads drafting); vLLM loads it in its own
 environment (``uv run python -m scripts.vllm_env --out /tmp/vllm-venv``), one worker process per k
 kept alive for the whole benchmark (``vllm_side_by_side_worker.py``), eager, prefix caching off.
+Both keep freed memory in the process (glibc's malloc thresholds raised, as a policy worker of
+ours sets them: ``cluster.worker.keep_freed_host_memory``), so neither pays page faults per call.
 Both decode greedily the same prompts (the tokenizer's chat template around arithmetic questions).
 
 Cells (requests x new tokens): 512 x 5 ending at the end-of-sequence token; 1 x 5 (32 prompts, one
@@ -99,8 +101,9 @@ class Ours:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=True)
         self.policy = setup_megatron_policy(base, len(self.tokenizer))
-        from nemo_rl_mtp.cluster.worker import freeze_startup_heap
+        from nemo_rl_mtp.cluster.worker import freeze_startup_heap, keep_freed_host_memory
 
+        keep_freed_host_memory()  # as a policy worker does (vLLM's workers get the same through glibc's variables)
         freeze_startup_heap()  # as a policy worker does after its set-up (and vLLM after its engine's)
         self.engines = {}
 
@@ -167,10 +170,13 @@ class Vllm:
 
     def __init__(self, python: Path, checkpoint: Path, log_dir: Path):
         from examples.serve_check import preload_env
+        from nemo_rl_mtp.cluster.worker import MMAP_THRESHOLD_MAX, TRIM_THRESHOLD
 
         env = preload_env(python)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # its OpenMP threads on core 0
         env["OMP_NUM_THREADS"] = "1"
+        # The same malloc policy as ours (cluster.worker.keep_freed_host_memory), read by glibc at start.
+        env["MALLOC_MMAP_THRESHOLD_"], env["MALLOC_TRIM_THRESHOLD_"] = str(MMAP_THRESHOLD_MAX), str(TRIM_THRESHOLD)
         self.workers = {}
         for k in (0, 1):
             read_fd, write_fd = os.pipe()

@@ -11,7 +11,47 @@ imported inside the methods that use them (the training step, metrics included, 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
+import logging
+
+logger = logging.getLogger(__name__)
+
+# glibc's mallopt parameters (malloc.h) and its ceiling on the mmap threshold (64-bit).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_MAX = 32 * 2**20
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int: hand memory back only past 2 GB free
+
+
+def keep_freed_host_memory() -> bool:
+    """On a CPU, let the C library keep freed memory for the next allocation instead of handing
+    it back to the operating system. By default glibc maps each block over a threshold afresh
+    and unmaps it when freed (and trims its heap's top), so the engine's per-step tensors of a
+    512-request rollout came back as fresh pages every time: 20,000-58,000 page faults per
+    generate call and 0.04-0.68 s of system time on a call of 0.3-1.0 s, varying from call to
+    call. With blocks up to glibc's 32 MB ceiling taken from the heap and the heap kept, a
+    call's faults fall to zero after the first. The process's memory stays at its peak, as
+    PyTorch's own CUDA caching allocator keeps device memory. Returns whether it was set; not
+    on a GPU (the tensors live in device memory there) or without glibc's ``mallopt`` (logged).
+    Idempotent."""
+    from nemo_rl_mtp.megatron_compat.cpu.training_runtime import cuda_available
+
+    if cuda_available():
+        return False
+    mallopt = getattr(_c_library(), "mallopt", None)
+    if mallopt is None:
+        logger.info("no glibc mallopt in this process: freed host memory goes back to the system as its C library decides")
+        return False
+    applied = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    logger.debug("glibc malloc keeps freed memory (mmap threshold %d, trim threshold %d): %s", MMAP_THRESHOLD_MAX, TRIM_THRESHOLD, applied)
+    return applied
+
+
+def _c_library():
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
 
 
 def freeze_startup_heap() -> None:
@@ -42,6 +82,7 @@ class MegatronPolicyWorker:
         from nemo_rl_mtp.reporting.console import quiet_third_party_output
 
         quiet_third_party_output()  # before megatron is imported
+        keep_freed_host_memory()
         from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
 
         self.policy_cfg = policy_cfg
