@@ -14,16 +14,20 @@ from nemo_rl_mtp.megatron_compat.cpu.training_runtime import cuda_available
 
 STEPS = 20
 SCRIPT = f"""
-import resource, sys, torch
-from nemo_rl_mtp.cluster.worker import keep_freed_host_memory
+import ctypes, resource, sys, torch
+from nemo_rl_mtp.cluster import worker
 if sys.argv[1] == "keep":
-    assert keep_freed_host_memory()
+    assert worker.keep_freed_host_memory()
+else:  # glibc's default thresholds (128 KB), held fixed: each block is mapped afresh and unmapped when freed
+    mallopt = ctypes.CDLL(None).mallopt
+    assert mallopt(worker.M_MMAP_THRESHOLD, 128 * 1024) == 1 and mallopt(worker.M_TRIM_THRESHOLD, 128 * 1024) == 1
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def step():  # a step's temporaries: tensors of several sizes (MB) alive together, then freed
     held = [torch.ones(size * 2**20 // 4) for size in (1, 3, 8, 20, 2, 12)]
     del held
-step()
+for _ in range(5):
+    step()
 before = faults()
 for _ in range({STEPS}):
     step()
@@ -38,7 +42,9 @@ def _faults_per_step(mode: str) -> float:
 
 @pytest.mark.skipif(cuda_available() or not sys.platform.startswith("linux"), reason="glibc's malloc on a CPU-only machine")
 def test_kept_memory_ends_the_page_faults_of_repeated_allocations():
-    plain, kept = _faults_per_step("plain"), _faults_per_step("keep")
-    # Control: by default the C library hands much of each step's 46 MB back and faults it in again.
-    assert plain > 256, plain
-    assert kept < plain / 10, (plain, kept)
+    """glibc's dynamic threshold sometimes settles on such a pattern by itself and sometimes not
+    (0 or about 10,700 faults a step here, from run to run); the control holds its default
+    thresholds fixed, where every step faults its 46 MB in again."""
+    default, kept = _faults_per_step("default"), _faults_per_step("keep")
+    assert default > 0.5 * 46 * 2**20 / 4096, default  # control: at least half the step's pages
+    assert kept < 0.01 * default, (default, kept)
