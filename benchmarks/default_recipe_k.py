@@ -32,12 +32,19 @@ from pathlib import Path
 import psutil
 
 from benchmarks.rollout_throughput import beside_load
-from nemo_rl_mtp.metrics import GENERATION_SECONDS, LOGPROBS_SECONDS, NUM_SPECULATIVE_TOKENS, ROLLOUT, STEP_SECONDS, TIMING, TRAIN_SECONDS
+from nemo_rl_mtp.metrics import (
+    GENERATION_SECONDS, LOGPROBS_SECONDS, NUM_SPECULATIVE_TOKENS, RESPONSE_LENGTH, ROLLOUT, STEP_SECONDS, TIMING, TOKENS_PER_S, TRAIN,
+    TRAIN_SECONDS, in_scope,
+)  # fmt: skip
 from nemo_rl_mtp.reporting.logger import read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PHASES = {"generation": GENERATION_SECONDS, "logprobs": LOGPROBS_SECONDS, "training": TRAIN_SECONDS, "whole step": STEP_SECONDS}
 CHOSEN_K = ROLLOUT + NUM_SPECULATIVE_TOKENS
+# Each run's own trajectory: responses sampled at k = 1 draw other random numbers than at k = 0, so
+# from the first step that speculates the runs diverge, and so do their response lengths. Time per
+# step then measures the trajectory as well as the engine; tokens per second of generation less so.
+TRAJECTORY = {"response length": in_scope(TRAIN, RESPONSE_LENGTH), "generation tokens/s": in_scope(ROLLOUT, TOKENS_PER_S)}
 KS = ("0", "1", "auto")
 
 
@@ -76,6 +83,8 @@ def one_run(k: str, overrides: list[str], run_root: Path, name: str) -> dict:
     rows = [row for row in read_metrics(run_root / name / "metrics.jsonl") if TIMING + STEP_SECONDS in row]
     result = {phase: statistics.median(row[TIMING + key] for row in rows) for phase, key in PHASES.items()}
     result["per_step"] = {phase: [row[TIMING + key] for row in rows] for phase, key in PHASES.items()}
+    result.update({name: statistics.median(row[key] for row in rows) for name, key in TRAJECTORY.items()})
+    result["per_step"].update({name: [row[key] for row in rows] for name, key in TRAJECTORY.items()})
     result.update(k=k, steps=len(rows), wall_s=time.monotonic() - started, peak_mb=peak[0])
     result["choices"] = collections.Counter(int(row[CHOSEN_K]) for row in rows if CHOSEN_K in row)
     return result
@@ -83,12 +92,13 @@ def one_run(k: str, overrides: list[str], run_root: Path, name: str) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| round | k | " + " | ".join(f"{phase} (s)" for phase in PHASES) + " | peak memory (MB) | whole command (s) | auto's choices |",
-        "|---|---|" + "---|" * (len(PHASES) + 3),
+        "| round | k | " + " | ".join(f"{phase} (s)" for phase in PHASES) + " | " + " | ".join(TRAJECTORY)
+        + " | peak memory (MB) | whole command (s) | auto's choices |",
+        "|---|---|" + "---|" * (len(PHASES) + len(TRAJECTORY) + 3),
     ]
     for result in results:
         choices = ", ".join(f"k = {k} in {n}" for k, n in sorted(result["choices"].items())) if result["k"] == "auto" else ""
-        medians = " | ".join(f"{result[phase]:.3f}" for phase in PHASES)
+        medians = " | ".join(f"{result[phase]:.3f}" for phase in PHASES) + " | " + " | ".join(f"{result[name]:.1f}" for name in TRAJECTORY)
         lines.append(f"| {result['round']} | {result['k']} | {medians} | {result['peak_mb']:,.0f} | {result['wall_s']:.0f} | {choices} |")
     return "\n".join(lines)
 
@@ -96,7 +106,8 @@ def table(results: list[dict]) -> str:
 def ratios(results: list[dict]) -> str:
     """auto's medians over k = 0's, k = 1's and the better one's: per round, and over the steps of
     every round pooled (each k ran once in each position of the order when the rounds are a
-    multiple of three, so a drift of the machine falls on every k alike)."""
+    multiple of three, so a drift of the machine falls on every k alike). Times: lower is better;
+    generation tokens/s (less dependent on the trajectory, ``TRAJECTORY``): higher is."""
     lines = ["| round | phase | auto / k = 0 | auto / k = 1 | auto / better |", "|---|---|---|---|---|"]
     rounds = sorted({result["round"] for result in results})
     for round_number in [*rounds, "all"]:
@@ -105,6 +116,9 @@ def ratios(results: list[dict]) -> str:
             median = {k: statistics.median(value for result in chosen if result["k"] == k for value in result["per_step"][phase]) for k in KS}
             auto, k0, k1 = median["auto"], median["0"], median["1"]
             lines.append(f"| {round_number} | {phase} | {auto / k0:.3f} | {auto / k1:.3f} | {auto / min(k0, k1):.3f} |")
+        rate = {k: statistics.median(value for result in chosen if result["k"] == k for value in result["per_step"]["generation tokens/s"]) for k in KS}
+        lines.append(f"| {round_number} | generation tokens/s | {rate['auto'] / rate['0']:.3f} | {rate['auto'] / rate['1']:.3f} | "
+                     f"{rate['auto'] / max(rate['0'], rate['1']):.3f} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -25,7 +25,10 @@ matmul loop), as another job on a shared machine would; the output says so. The 
 first table gives auto's worst cell against k = 0 and against the best fixed k, from the
 medians and paired: the median over repeats of auto's tokens/s over the other variant's in the
 same repeat (the variants' order rotates from repeat to repeat), which a load drifting over
-minutes does not bias.
+minutes does not bias, with its lowest and highest (an interval of the median: 94% at 5
+repeats). Beside the variants runs an A/A control, a second k = 0 engine doing the same work as
+the first: how far its paired ratio strays from 1 is what measurement error alone does to a
+ratio in this run, the yardstick for auto's.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ from nemo_rl_mtp.grpo.checked_config import load_checked_config  # noqa: E402
 from tests.support.helpers import free_port  # noqa: E402
 
 TOKENIZER = DigitTokenizer()
+# A second k = 0 engine run beside the first: the same work measured twice, an A/A control whose
+# ratios show how far measurement error alone moves a ratio in this run.
+CONTROL = "k=0 again"
 PROMPT_TOKENS = 3  # <bos> d =
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CLOCK_NAME = ["wall"]  # the clock the tables use: main() sets it from --clock
@@ -227,10 +233,13 @@ class Variant:
     def paired(self, other: "Variant") -> float:
         """The median over repeats of this variant's tokens/s over ``other``'s in the same repeat:
         runs of one repeat follow each other, so a load that drifts over minutes cancels."""
+        return statistics.median(self.paired_ratios(other))
+
+    def paired_ratios(self, other: "Variant") -> list[float]:
+        """Per repeat, this variant's tokens/s over ``other``'s. Their lowest and highest bound
+        the median with probability 1 - 2 / 2^repeats (94% at 5 repeats): its interval."""
         clock_name = CLOCK_NAME[0]
-        return statistics.median(
-            (self.tokens / mine) / (other.tokens / theirs) for mine, theirs in zip(self.times[clock_name], other.times[clock_name])
-        )
+        return [(self.tokens / mine) / (other.tokens / theirs) for mine, theirs in zip(self.times[clock_name], other.times[clock_name])]
 
     def acceptance(self) -> list[float]:
         proposed, accepted = self.output["draft_proposed"], self.output["draft_accepted"]
@@ -243,10 +252,12 @@ class Variant:
 
 def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: dict) -> dict:
     variants = [Variant(f"k={k}", RolloutEngine(policy, config(args, k, new_tokens, batch))) for k in range(args.mtp_layers + 1)]
-    variants.append(Variant("auto", RolloutEngine(policy, config(args, "auto", new_tokens, batch))))
+    auto = Variant("auto", RolloutEngine(policy, config(args, "auto", new_tokens, batch)))
+    variants.append(auto)
+    variants.append(Variant(CONTROL, RolloutEngine(policy, config(args, 0, new_tokens, batch))))
     prompts, _ = counting_task(batch, 1, torch.Generator().manual_seed(batch))
     for warm_up in range(args.mtp_layers + 1):
-        variants[-1].run(prompts, seed=1000 + warm_up, phases_of=phases_of, timed=False)
+        auto.run(prompts, seed=1000 + warm_up, phases_of=phases_of, timed=False)
     for repeat in range(args.repeats):
         shift = repeat % len(variants)  # each variant's place in the order rotates
         for variant in variants[shift:] + variants[:shift]:
@@ -255,7 +266,7 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
     result = {"heads": heads, "new_tokens": new_tokens, "batch": batch, "variants": variants, "memory": memory}
     print(f"  {heads} heads, {new_tokens} new tokens, {batch} prompts: "
           + ", ".join(f"{v.name} {v.rate:.0f} tok/s" for v in variants)
-          + f", auto ran k={'/'.join(map(str, variants[-1].chosen))}", flush=True)
+          + f", auto ran k={'/'.join(map(str, auto.chosen))}", flush=True)
     return result
 
 
@@ -264,6 +275,7 @@ def throughput_table(cells: list[dict], args) -> str:
     other = "cpu" if CLOCK_NAME[0] == "wall" else "wall"
     header = ["heads", "new tokens", "prompts", "response tokens (mean)", "k=0 tokens/s", *[f"{name} vs k=0" for name in names],
               "auto vs k=0 (k of its runs)", "auto vs best fixed k", "paired per repeat: auto vs k=0, vs best fixed k",
+              f"paired, {CONTROL} vs k=0 (lowest-highest)",
               f"{other} clock: {', '.join(names)}, auto vs k=0",
               "acceptance, draft 1 / 2 (k=2)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -280,6 +292,7 @@ def throughput_table(cells: list[dict], args) -> str:
             + " | ".join(f"{variants[name].rate / base:.2f}x" for name in names)
             + f" | {auto.rate / base:.2f}x (k={'/'.join(map(str, auto.chosen))}) | {auto.rate / best_fixed:.2f} | "
             + f"{auto.paired(variants['k=0']):.2f}, {auto.paired(best_variant):.2f} | "
+            + f"{interval(variants[CONTROL], variants['k=0'])} | "
             + ", ".join(f"{variants[name].rate_by(other) / variants['k=0'].rate_by(other):.2f}x" for name in [*names, "auto"])
             + " | "
             + " / ".join(f"{rate:.0f}%" for rate in deepest.acceptance())
@@ -291,18 +304,27 @@ def throughput_table(cells: list[dict], args) -> str:
 def auto_summary(cells: list[dict], args) -> str:
     """The issue's goals in one line: auto's worst ratio against k = 0 and against the best fixed k."""
     names = ["k=0", *[f"k={k}" for k in range(1, args.mtp_layers + 1)]]
-    against_k0, against_best, paired_k0, paired_best = [], [], [], []
+    against_k0, against_best, paired_k0, paired_best, control = [], [], [], [], []
     for cell in cells:
         variants = {variant.name: variant for variant in cell["variants"]}
         auto, best = variants["auto"], max((variants[name] for name in names), key=lambda variant: variant.rate)
         against_k0.append(auto.rate / variants["k=0"].rate)
         against_best.append(auto.rate / best.rate)
-        paired_k0.append(auto.paired(variants["k=0"]))
-        paired_best.append(auto.paired(best))
+        paired_k0.append((auto.paired(variants["k=0"]), interval(auto, variants["k=0"])))
+        paired_best.append((auto.paired(best), interval(auto, best)))
+        control.append((variants[CONTROL].paired(variants["k=0"]), interval(variants[CONTROL], variants["k=0"])))
+    worst = [min(pairs)[1] for pairs in (paired_k0, paired_best, control)]
+    farthest_control = max(control, key=lambda pair: abs(pair[0] - 1.0))[1]
     return (f"\nauto, worst cell: {min(against_k0):.2f}x k = 0, {min(against_best):.2f}x the best fixed k "
             f"(goal: both >= 0.97); median cell: {statistics.median(against_k0):.2f}x, {statistics.median(against_best):.2f}x"
-            f"\npaired per repeat, worst cell: {min(paired_k0):.2f}x k = 0, {min(paired_best):.2f}x the best fixed k; "
-            f"median cell: {statistics.median(paired_k0):.2f}x, {statistics.median(paired_best):.2f}x")
+            f"\npaired per repeat (median, lowest-highest), worst cell: {worst[0]} x k = 0, {worst[1]} x the best fixed k; "
+            f"A/A control ({CONTROL} vs k=0, the same work twice): worst cell {worst[2]}, farthest from 1 {farthest_control}")
+
+
+def interval(variant: Variant, other: Variant) -> str:
+    """Paired median and its interval (:meth:`Variant.paired_ratios`), e.g. ``0.98 (0.91-1.04)``."""
+    ratios = variant.paired_ratios(other)
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 BREAKDOWN_COLUMNS = ["trunk", "trunk attention", "drafts", "draft attention", "verification", "bookkeeping", "engine bookkeeping"]
