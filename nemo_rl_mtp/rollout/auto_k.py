@@ -27,12 +27,13 @@ of two) and per greedy/sampled (they accept differently):
   never lose to); then the best estimate is run, the incumbent kept
   unless another beats it by ``HYSTERESIS``. A k whose estimate is within ``REFRESH_WITHIN`` of
   the incumbent's and was last measured ``REFRESH_EVERY`` or more rollouts ago is run once to
-  refresh it (the longest unmeasured first); farther ones are left alone until the acceptance
-  they are scaled by brings them within it.
+  refresh it (the longest unmeasured first); a farther one after proportionally more rollouts
+  (``refresh_interval``: a gap of 30% waits 60), so its refreshes cost on average
+  ``FAR_REFRESH_COST`` of a rollout and no estimate stays stale for a whole run.
 
 **The bound.** After the first looks, a rollout runs either the best estimate (or an incumbent
-within ``HYSTERESIS`` of it) or a refresh of a k estimated within ``REFRESH_WITHIN`` of it, each
-k at most once per ``REFRESH_EVERY`` rollouts. So over a run, tokens/s is at least
+within ``HYSTERESIS`` of it) or a refresh of a k whose gap to it, over the rollouts since that k
+last ran, is at most REFRESH_WITHIN / REFRESH_EVERY (``FAR_REFRESH_COST`` is less). So over a run, tokens/s is at least
 (1 - HYSTERESIS) (1 - max_k REFRESH_WITHIN / REFRESH_EVERY) of the best k's, less the error
 of the estimates themselves (one rollout's tokens/s against its repeat; the median of
 ``WINDOW`` damps it): 0.99 x 0.99 = 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The
@@ -89,6 +90,9 @@ HYSTERESIS = 0.01
 # rollouts of its context.
 REFRESH_WITHIN = 0.10
 REFRESH_EVERY = 10
+# A k farther below is re-measured after gap / FAR_REFRESH_COST rollouts: on average its refreshes
+# cost this fraction of a rollout (half what a close k's may).
+FAR_REFRESH_COST = 0.005
 # Realised tokens/s of a k: the median of its latest WINDOW rollouts.
 WINDOW = 3
 
@@ -124,6 +128,27 @@ class ContextState:
     def since_measured(self, k: int) -> float:
         """Rollouts of this context since k's latest (infinite if k never ran here)."""
         return self.rollouts - self.observations[k][-1].number if k in self.observations else math.inf
+
+
+def refresh_interval(relative: float) -> float:
+    """Rollouts between re-measurements of a k estimated at ``relative`` x the chosen k's tokens/s:
+    ``REFRESH_EVERY`` within ``REFRESH_WITHIN`` of it, and beyond in proportion to the gap, so that
+    its refreshes cost on average ``FAR_REFRESH_COST`` of a rollout, however far the k is estimated
+    (a gap of 30% waits 60 rollouts). Every k is re-measured in time: an estimate left low by a few
+    unlucky rollouts (k = 0's above all) cannot keep auto on a slower k for the rest of a run."""
+    gap = 1.0 - relative
+    if gap >= 1.0:
+        return math.inf
+    return max(REFRESH_EVERY, math.ceil(round(gap / FAR_REFRESH_COST, 6)))  # rounded: 0.3 / 0.005 is 59.99999999999999
+
+
+def _refresh_due(state: ContextState, k: int, relative: float) -> bool:
+    """Whether k, estimated at ``relative`` x the chosen k, is due a rollout: a measured k after
+    its ``refresh_interval``; one never measured here (its prior was implausible at the first
+    looks) once its estimate comes within REFRESH_WITHIN."""
+    if k not in state.observations:
+        return relative >= 1.0 - REFRESH_WITHIN
+    return state.since_measured(k) + 1 >= refresh_interval(relative)
 
 
 def batch_bucket(num_requests: int) -> int:
@@ -233,10 +258,7 @@ class AdaptiveSpeculation:
         if expected[state.incumbent] * (1.0 + HYSTERESIS) >= expected[best]:
             best = state.incumbent
         state.incumbent = best
-        due = [
-            k for k in self.candidates
-            if k != best and expected[k] >= (1.0 - REFRESH_WITHIN) * expected[best] and state.since_measured(k) + 1 >= REFRESH_EVERY
-        ]  # fmt: skip
+        due = [k for k in self.candidates if k != best and _refresh_due(state, k, expected[k] / expected[best])]
         return max(due, key=state.since_measured) if due else best
 
     def record_rollout(self, bucket: int, greedy: bool, choice: Choice, seconds: float, steps: int, tokens: int, counts: dict) -> None:

@@ -111,14 +111,47 @@ def test_a_profile_that_favours_drafts_gives_way_to_the_rollouts_that_measure_th
     assert chosen[:3] == [1, 0, 2] and set(chosen[3:]) == {0}, chosen
 
 
-def test_the_fastest_measured_k_is_kept_and_a_close_one_refreshed_every_few_rollouts():
-    """k = 1 realises 1,000/s, k = 2 960/s (within REFRESH_WITHIN), k = 0 700/s (not): k = 2 is
-    re-run once every REFRESH_EVERY rollouts, k = 0 only in its first look."""
+def test_the_fastest_measured_k_is_kept_and_the_others_refreshed_in_proportion_to_their_gap():
+    """k = 1 realises 1,000/s, k = 2 960/s (within REFRESH_WITHIN = 10%), k = 0 700/s (30% below):
+    k = 2 is re-run once every REFRESH_EVERY = 10 rollouts, k = 0 once every 0.3 / 0.005 = 60
+    (its refreshes cost 0.3 of a rollout each, half a percent on average): after its first look
+    (rollout 2), at rollout 62."""
+    constants = (adaptive_speculation.REFRESH_WITHIN, adaptive_speculation.REFRESH_EVERY, adaptive_speculation.FAR_REFRESH_COST)
+    assert constants == (0.10, 10, 0.005)
     tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.0155}, _counts([100, 100], [90, 20]))
     realised = {0: 700.0, 1: 1000.0, 2: 960.0}
-    chosen = [_rollout(tuner, realised) for _ in range(3 + 3 * adaptive_speculation.REFRESH_EVERY)]
-    assert chosen[:3] == [1, 0, 2] and chosen.count(0) == 1, chosen
-    assert chosen[3:].count(2) == 3 and chosen[3:].count(1) == 3 * adaptive_speculation.REFRESH_EVERY - 3, chosen
+    chosen = [_rollout(tuner, realised) for _ in range(63)]
+    assert chosen[:3] == [1, 0, 2], chosen
+    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [2, 62], chosen
+    assert chosen[3:33].count(2) == 3 and chosen[3:33].count(1) == 27, chosen
+
+
+def test_k0_left_with_an_unlucky_estimate_is_measured_again():
+    """k = 0 is truly the fastest (1,000/s against k = 1's 800/s), but its first look came out at
+    600/s (a load spike): auto settles on k = 1, then re-measures k = 0 after (1 - 600/800) /
+    FAR_REFRESH_COST = 50 rollouts (rollout 52). The median of its two measurements (800/s) only
+    ties k = 1, so it is measured again REFRESH_EVERY rollouts later (62); the median of three is
+    1,000/s and auto keeps k = 0 from there on. Control: without a refresh beyond REFRESH_WITHIN,
+    k = 0 (25% below) would never run again."""
+    tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
+    first_look = [True]
+
+    def realised(k: int) -> float:
+        if k == 0 and first_look[0]:
+            first_look[0] = False
+            return 600.0
+        return {0: 1000.0, 1: 800.0}[k]
+
+    chosen = []
+    for _ in range(70):
+        choice = tuner.choose(32, False, 32)
+        k = choice.num_speculative_tokens
+        steps = round(3200 / (32 * (1 + 0.9 * k)))
+        tuner.record_rollout(32, False, choice, 3200 / realised(k), steps, 3200, _counts_for(k, [0.9]))
+        chosen.append(k)
+    assert chosen[:2] == [1, 0], chosen
+    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [2, 52, *range(62, 71)], chosen
+    assert 600.0 / 800.0 < 1.0 - adaptive_speculation.REFRESH_WITHIN  # the control: outside the old refresh
 
 
 def test_an_incumbent_within_the_hysteresis_is_kept():
