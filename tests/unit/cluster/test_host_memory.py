@@ -44,7 +44,9 @@ def _faults_per_step(mode: str) -> float:
 def test_kept_memory_ends_the_page_faults_of_repeated_allocations():
     """glibc's dynamic threshold sometimes settles on such a pattern by itself and sometimes not
     (0 or about 10,700 faults a step here, from run to run); the control holds its default
-    thresholds fixed, where every step faults its 46 MB in again."""
+    thresholds fixed, where every step faults its 46 MB in again. Kept, a step faults 0 pages on
+    a quiet machine and up to a few hundred beside other processes (154 in one CI run, the
+    release matrix's runs beside it): at most 5% of the control's."""
     default, kept = _faults_per_step("default"), _faults_per_step("keep")
     assert default > 0.5 * 46 * 2**20 / 4096, default  # control: at least half the step's pages
-    assert kept < 0.01 * default, (default, kept)
+    assert kept < 0.05 * default, (default, kept)
