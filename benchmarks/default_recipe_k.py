@@ -119,16 +119,10 @@ def ratios(results: list[dict]) -> str:
     rounds = sorted({result["round"] for result in results})
     for round_number in [*rounds, "all"]:
         chosen = [result for result in results if round_number in ("all", result["round"])]
-        for phase in ("generation", "whole step"):
+        for phase, better in (("generation", min), ("whole step", min), (OVER_LOGPROBS, min), ("generation tokens/s", max)):
             median = {k: statistics.median(value for result in chosen if result["k"] == k for value in result["per_step"][phase]) for k in KS}
             auto, k0, k1 = median["auto"], median["0"], median["1"]
-            lines.append(f"| {round_number} | {phase} | {auto / k0:.3f} | {auto / k1:.3f} | {auto / min(k0, k1):.3f} |")
-        relative = {k: statistics.median(value for result in chosen if result["k"] == k for value in result["per_step"][OVER_LOGPROBS]) for k in KS}
-        lines.append(f"| {round_number} | {OVER_LOGPROBS} | {relative['auto'] / relative['0']:.3f} | {relative['auto'] / relative['1']:.3f} | "
-                     f"{relative['auto'] / min(relative['0'], relative['1']):.3f} |")  # fmt: skip
-        rate = {k: statistics.median(value for result in chosen if result["k"] == k for value in result["per_step"]["generation tokens/s"]) for k in KS}
-        lines.append(f"| {round_number} | generation tokens/s | {rate['auto'] / rate['0']:.3f} | {rate['auto'] / rate['1']:.3f} | "
-                     f"{rate['auto'] / max(rate['0'], rate['1']):.3f} |")  # fmt: skip
+            lines.append(f"| {round_number} | {phase} | {auto / k0:.3f} | {auto / k1:.3f} | {auto / better(k0, k1):.3f} |")
     return "\n".join(lines)
 
 

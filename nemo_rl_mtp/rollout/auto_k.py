@@ -137,9 +137,11 @@ def refresh_interval(relative: float) -> float:
     (a gap of 30% waits 60 rollouts). Every k is re-measured in time: an estimate left low by a few
     unlucky rollouts (k = 0's above all) cannot keep auto on a slower k for the rest of a run."""
     gap = 1.0 - relative
+    if gap <= REFRESH_WITHIN:
+        return REFRESH_EVERY
     if gap >= 1.0:
         return math.inf
-    return max(REFRESH_EVERY, math.ceil(round(gap / FAR_REFRESH_COST, 6)))  # rounded: 0.3 / 0.005 is 59.99999999999999
+    return math.ceil(round(gap / FAR_REFRESH_COST, 6))  # rounded: 0.3 / 0.005 is 59.99999999999999
 
 
 def _refresh_due(state: ContextState, k: int, relative: float) -> bool:
