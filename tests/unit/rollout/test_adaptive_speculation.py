@@ -134,21 +134,16 @@ def test_k0_left_with_an_unlucky_estimate_is_measured_again():
     1,000/s and auto keeps k = 0 from there on. Control: without a refresh beyond REFRESH_WITHIN,
     k = 0 (25% below) would never run again."""
     tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
-    first_look = [True]
 
-    def realised(k: int) -> float:
-        if k == 0 and first_look[0]:
-            first_look[0] = False
-            return 600.0
-        return {0: 1000.0, 1: 800.0}[k]
+    class UnluckyFirstLook(dict):
+        def __getitem__(self, k: int) -> float:
+            if k == 0 and not hasattr(self, "looked"):
+                self.looked = True
+                return 600.0
+            return super().__getitem__(k)
 
-    chosen = []
-    for _ in range(70):
-        choice = tuner.choose(32, False, 32)
-        k = choice.num_speculative_tokens
-        steps = round(3200 / (32 * (1 + 0.9 * k)))
-        tuner.record_rollout(32, False, choice, 3200 / realised(k), steps, 3200, _counts_for(k, [0.9]))
-        chosen.append(k)
+    realised = UnluckyFirstLook({0: 1000.0, 1: 800.0})
+    chosen = [_rollout(tuner, realised) for _ in range(70)]
     assert chosen[:2] == [1, 0], chosen
     assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [2, 52, *range(62, 71)], chosen
     assert 600.0 / 800.0 < 1.0 - adaptive_speculation.REFRESH_WITHIN  # the control: outside the old refresh
