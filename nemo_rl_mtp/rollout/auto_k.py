@@ -25,19 +25,23 @@ of two) and per greedy/sampled (they accept differently):
   is run once, k = 0 first (the profile can be wrong by tens of percent: in the default recipe it
   chose k = 1 where k = 0 was 1.2x faster; k = 0 is always looked at: it is what auto must
   never lose to); then the best estimate is run, the incumbent kept
-  unless another beats it by ``HYSTERESIS``. A k whose estimate is within ``REFRESH_WITHIN`` of
-  the incumbent's and was last measured ``REFRESH_EVERY`` or more rollouts ago is run once to
-  refresh it (the longest unmeasured first); a farther one after proportionally more rollouts
-  (``refresh_interval``: a gap of 30% waits 60), so its refreshes cost on average
-  ``FAR_REFRESH_COST`` of a rollout and no estimate stays stale for a whole run.
+  unless another beats it by ``HYSTERESIS``. Re-measuring another k (a refresh) costs its gap to
+  the incumbent plus two changes of k, each a rebuild of the engine (timed, as a fraction of the
+  latest rollout: about 12% in the default recipe on a CPU, next to nothing against a GPU's
+  rollouts). A k whose refresh costs at most ``REFRESH_WITHIN`` of a rollout and that was last
+  measured ``REFRESH_EVERY`` or more rollouts ago is run once (the longest unmeasured first); a
+  costlier one after proportionally more rollouts (``refresh_interval``: a gap of 30% with free
+  switches waits 60), so its refreshes cost on average ``FAR_REFRESH_COST`` of a rollout and no
+  estimate stays stale for a whole run.
 
 **The bound.** After the first looks, a rollout runs either the best estimate (or an incumbent
-within ``HYSTERESIS`` of it) or a refresh of a k whose gap to it, over the rollouts since that k
-last ran, is at most REFRESH_WITHIN / REFRESH_EVERY (``FAR_REFRESH_COST`` is less). So over a run, tokens/s is at least
-(1 - HYSTERESIS) (1 - max_k REFRESH_WITHIN / REFRESH_EVERY) of the best k's, less the error
-of the estimates themselves (one rollout's tokens/s against its repeat; the median of
-``WINDOW`` damps it): 0.99 x 0.99 = 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The
-first looks cost each plausible k one rollout per context, once per run.
+within ``HYSTERESIS`` of it) or a refresh of a k whose cost (gap and switches), over the
+rollouts since that k last ran, is at most REFRESH_WITHIN / REFRESH_EVERY (``FAR_REFRESH_COST``
+is less). So over a run, tokens/s is at least (1 - HYSTERESIS) (1 - max_k REFRESH_WITHIN /
+REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one rollout's
+tokens/s against its repeat; the median of ``WINDOW`` damps it): 0.99 x 0.99 = 0.98 at
+max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each plausible k one rollout
+per context, once per run; a switch the estimates call for costs one rebuild.
 
 The choice and the numbers behind it (the estimate it was chosen on; afterwards the realised
 tokens/s) are returned with the rollout and logged as ``rollout/num_speculative_tokens``,
@@ -123,6 +127,7 @@ class ContextState:
     incumbent: int = 0  # the k chosen on its estimate (set by the first rollout)
     observations: dict[int, collections.deque] = dataclasses.field(default_factory=dict)
     requests_per_step: float | None = None
+    rollout_seconds: float | None = None  # the latest rollout's
     first_looks: list[int] | None = None  # the k still to run once after the first rollout
 
     def since_measured(self, k: int) -> float:
@@ -130,27 +135,30 @@ class ContextState:
         return self.rollouts - self.observations[k][-1].number if k in self.observations else math.inf
 
 
-def refresh_interval(relative: float) -> float:
-    """Rollouts between re-measurements of a k estimated at ``relative`` x the chosen k's tokens/s:
-    ``REFRESH_EVERY`` within ``REFRESH_WITHIN`` of it, and beyond in proportion to the gap, so that
-    its refreshes cost on average ``FAR_REFRESH_COST`` of a rollout, however far the k is estimated
-    (a gap of 30% waits 60 rollouts). Every k is re-measured in time: an estimate left low by a few
-    unlucky rollouts (k = 0's above all) cannot keep auto on a slower k for the rest of a run."""
+def refresh_interval(relative: float, switch_cost: float = 0.0) -> float:
+    """Rollouts between re-measurements of a k estimated at ``relative`` x the chosen k's tokens/s,
+    when changing k costs ``switch_cost`` of a rollout (the engine is rebuilt, there and back).
+    A refresh costs its gap plus two switches: ``REFRESH_EVERY`` when that is within
+    ``REFRESH_WITHIN``, and beyond in proportion, so that its refreshes cost on average
+    ``FAR_REFRESH_COST`` of a rollout, however far the k is estimated (a gap of 30%, switches
+    free: 60 rollouts). Every k is re-measured in time: an estimate left low by a few unlucky
+    rollouts (k = 0's above all) cannot keep auto on a slower k for the rest of a run."""
     gap = 1.0 - relative
-    if gap <= REFRESH_WITHIN:
-        return REFRESH_EVERY
     if gap >= 1.0:
         return math.inf
-    return math.ceil(round(gap / FAR_REFRESH_COST, 6))  # rounded: 0.3 / 0.005 is 59.99999999999999
+    cost = max(gap, 0.0) + 2.0 * switch_cost
+    if cost <= REFRESH_WITHIN:
+        return REFRESH_EVERY
+    return math.ceil(round(cost / FAR_REFRESH_COST, 6))  # rounded: 0.3 / 0.005 is 59.99999999999999
 
 
-def _refresh_due(state: ContextState, k: int, relative: float) -> bool:
+def _refresh_due(state: ContextState, k: int, relative: float, switch_cost: float) -> bool:
     """Whether k, estimated at ``relative`` x the chosen k, is due a rollout: a measured k after
     its ``refresh_interval``; one never measured here (its prior was implausible at the first
     looks) once its estimate comes within REFRESH_WITHIN."""
     if k not in state.observations:
         return relative >= 1.0 - REFRESH_WITHIN
-    return state.since_measured(k) + 1 >= refresh_interval(relative)
+    return state.since_measured(k) + 1 >= refresh_interval(relative, switch_cost)
 
 
 def batch_bucket(num_requests: int) -> int:
@@ -178,6 +186,18 @@ class AdaptiveSpeculation:
         self.forecast: list[float] | None = None
         self.profiled: dict[int, dict[int, float]] = {}
         self.contexts: dict[tuple[int, bool], ContextState] = {}
+        self.switch_seconds: collections.deque = collections.deque(maxlen=WINDOW)
+
+    def record_switch(self, seconds: float) -> None:
+        """How long one change of k took (the engine torn down and rebuilt)."""
+        self.switch_seconds.append(seconds)
+
+    def switch_cost(self, state: ContextState) -> float:
+        """A change of k in rollouts of this context: the median of the latest switches' seconds
+        over the latest rollout's (0 before either is measured)."""
+        if not self.switch_seconds or not state.rollout_seconds:
+            return 0.0
+        return statistics.median(self.switch_seconds) / state.rollout_seconds
 
     @property
     def candidates(self) -> range:
@@ -260,7 +280,8 @@ class AdaptiveSpeculation:
         if expected[state.incumbent] * (1.0 + HYSTERESIS) >= expected[best]:
             best = state.incumbent
         state.incumbent = best
-        due = [k for k in self.candidates if k != best and _refresh_due(state, k, expected[k] / expected[best])]
+        switch_cost = self.switch_cost(state)
+        due = [k for k in self.candidates if k != best and _refresh_due(state, k, expected[k] / expected[best], switch_cost)]
         return max(due, key=state.since_measured) if due else best
 
     def record_rollout(self, bucket: int, greedy: bool, choice: Choice, seconds: float, steps: int, tokens: int, counts: dict) -> None:
@@ -282,6 +303,7 @@ class AdaptiveSpeculation:
         if k and proposed.numel() and int(proposed[0]):
             tokens_per_request_step += float(accepted.sum()) / float(proposed[0])
         state.rollouts += 1
+        state.rollout_seconds = seconds
         observation = Observation(state.rollouts, tokens / max(seconds, 1e-9), tokens_per_request_step)
         state.observations.setdefault(k, collections.deque(maxlen=WINDOW)).append(observation)
         state.requests_per_step = tokens / (max(steps, 1) * tokens_per_request_step)
@@ -317,8 +339,19 @@ def choose(rollout_engine, prompts: list[list[int]], params, greedy: bool) -> Ch
     if tuner.needs_profile(bucket):
         profile(rollout_engine, prompts, params, bucket, greedy)
     choice = agreed_with_model_parallel_peers(tuner.choose(bucket, greedy, len(prompts)))
-    rollout_engine.use_speculative_tokens(choice.num_speculative_tokens)
+    switch_engine(rollout_engine, choice.num_speculative_tokens)
     return choice
+
+
+def switch_engine(rollout_engine, k: int) -> None:
+    """Put the engine for k in place; a change of k is timed (with the clock rollouts are) for
+    the tuner, which weighs re-measuring another k against what the switches there and back cost."""
+    if k == rollout_engine.num_speculative_tokens:
+        return
+    clock = step_clock()
+    start = clock()
+    rollout_engine.use_speculative_tokens(k)
+    rollout_engine.adaptive.record_switch(clock() - start)
 
 
 def profile(rollout_engine, prompts: list[list[int]], params, bucket: int, greedy: bool) -> None:
@@ -335,7 +368,7 @@ def profile(rollout_engine, prompts: list[list[int]], params, bucket: int, greed
     measured = [0] if ratios else list(tuner.candidates)
     seconds, counts = {}, None
     for k in [*reversed(measured), *measured]:
-        rollout_engine.use_speculative_tokens(k)
+        switch_engine(rollout_engine, k)
         fastest, step_counts = decode_step_seconds(rollout_engine, prompts, params)
         seconds[k] = min(seconds.get(k, fastest), fastest)
         counts = counts or step_counts
