@@ -103,7 +103,7 @@ def main() -> None:
     deviations = sorted(abs(value - 1.0) for value in every)
     load = "beside a one-thread matmul loop" if args.beside_load else "quiet"
     print(f"\n{args.engines} engines at k = {args.k}, {args.batch} prompts x {args.new_tokens} new tokens, {args.rounds} rounds, {load}; "
-          f"CPU seconds per rollout: median {statistics.median(every) * statistics.median(round_medians):.3f}\n")  # fmt: skip
+          f"CPU seconds per rollout: median {statistics.median(seconds for engine_totals in totals for seconds in engine_totals):.3f}\n")  # fmt: skip
     print("| | median (lowest-highest) |\n|---|---|")
     print(f"| a rollout over its round's median | {spread(every)} |")
     print(f"| half of all rollouts within | +-{100 * deviations[len(deviations) // 2]:.1f}% |")
@@ -122,6 +122,7 @@ def capped_total(step_seconds: list[float]) -> float:
     """A rollout's seconds with every step above ``STEP_CAP`` x its median step counted at that."""
     cap = STEP_CAP * statistics.median(step_seconds)
     return sum(min(seconds, cap) for seconds in step_seconds)
+
 
 if __name__ == "__main__":
     main()
