@@ -31,10 +31,7 @@ import time
 import torch
 
 import benchmarks.rollout_throughput as throughput
-from nemo_rl_mtp.cluster.worker import freeze_startup_heap, keep_freed_host_memory
 from nemo_rl_mtp.rollout.engine import RolloutEngine
-from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
-from tests.support.helpers import free_port
 
 STEP_CAP = 1.5  # a step above this multiple of its rollout's median step counts as an outlier
 
@@ -78,12 +75,7 @@ def main() -> None:
     if args.engines < 2 or args.rounds < 2:
         parser.error("--engines and --rounds: at least 2 each, so there is a spread to show")
 
-    base = throughput.config(args, 0, args.new_tokens, args.batch)
-    initialize_model_parallel(base.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{free_port()}")
-    torch.manual_seed(base.megatron_cfg.seed)
-    policy = setup_megatron_policy(base, throughput.TOKENIZER.vocab_size)
-    keep_freed_host_memory()  # as a policy worker does
-    freeze_startup_heap()
+    policy = throughput.benchmark_policy(throughput.config(args, 0, args.new_tokens, args.batch))
     engines = [RolloutEngine(policy, throughput.config(args, args.k, args.new_tokens, args.batch)) for _ in range(args.engines)]
     prompts, _ = throughput.counting_task(args.batch, 1, torch.Generator().manual_seed(args.batch))
 
@@ -97,8 +89,8 @@ def main() -> None:
                 steps[index].append(timed_rollout(engines[index], prompts, seed=round_number))
 
     totals = [[sum(rollout) for rollout in engine_steps] for engine_steps in steps]
-    round_medians = [statistics.median(engine_totals[r] for engine_totals in totals) for r in range(args.rounds)]
-    relative = [[engine_totals[r] / round_medians[r] for r in range(args.rounds)] for engine_totals in totals]
+    capped = [[capped_total(rollout) for rollout in engine_steps] for engine_steps in steps]
+    relative = over_round_medians(totals)
     every = [value for engine_relative in relative for value in engine_relative]
     deviations = sorted(abs(value - 1.0) for value in every)
     load = "beside a one-thread matmul loop" if args.beside_load else "quiet"
@@ -110,13 +102,16 @@ def main() -> None:
     print(f"| nine in ten within | +-{100 * deviations[int(0.9 * (len(deviations) - 1))]:.1f}% |")
     for index, engine_relative in enumerate(relative):
         print(f"| engine {index}: its rollouts over their rounds' medians | {spread(engine_relative)} |")
-    capped = [[capped_total(rollout) for rollout in engine_steps] for engine_steps in steps]
-    capped_medians = [statistics.median(engine_capped[r] for engine_capped in capped) for r in range(args.rounds)]
-    capped_relative = [engine_capped[r] / capped_medians[r] for engine_capped in capped for r in range(args.rounds)]
+    capped_relative = [value for engine_relative in over_round_medians(capped) for value in engine_relative]
     print(f"| a rollout over its round's median, steps capped at {STEP_CAP}x its median step | {spread(capped_relative)} |")
-    removed = [1.0 - capped_total(rollout) / sum(rollout) for engine_steps in steps for rollout in engine_steps]
+    removed = [1.0 - cut / total for engine_capped, engine_totals in zip(capped, totals) for cut, total in zip(engine_capped, engine_totals)]
     print(f"| what the cap takes from a rollout's total | {100 * statistics.median(removed):.1f}% ({100 * min(removed):.1f}-{100 * max(removed):.1f}%) |")
 
+
+def over_round_medians(seconds: list[list[float]]) -> list[list[float]]:
+    """Per engine, each round's seconds over that round's median across the engines."""
+    medians = [statistics.median(round_seconds) for round_seconds in zip(*seconds)]
+    return [[value / median for value, median in zip(engine_seconds, medians)] for engine_seconds in seconds]
 
 def capped_total(step_seconds: list[float]) -> float:
     """A rollout's seconds with every step above ``STEP_CAP`` x its median step counted at that."""

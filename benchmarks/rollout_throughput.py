@@ -453,14 +453,21 @@ def beside_load():
         process.wait()
 
 
-def run_benchmark(args) -> None:
-
-    base = config(args, 0, max(args.new_tokens + [args.train_length]), args.train_batch)
+def benchmark_policy(base):
+    """The policy model of ``base`` (a policy config) in a one-process megatron world, its process
+    set up as a policy worker's is (freed memory kept, the start-up heap frozen)."""
     initialize_model_parallel(base.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{free_port()}")
     torch.manual_seed(base.megatron_cfg.seed)
     policy = setup_megatron_policy(base, TOKENIZER.vocab_size)
-    keep_freed_host_memory()  # as a policy worker does
-    freeze_startup_heap()  # as a policy worker does after its set-up
+    keep_freed_host_memory()
+    freeze_startup_heap()
+    return policy
+
+
+def run_benchmark(args) -> None:
+
+    base = config(args, 0, max(args.new_tokens + [args.train_length]), args.train_batch)
+    policy = benchmark_policy(base)
     phases_of = {}
     attention_timers(phases_of)
     print(f"{torch.get_num_threads()} torch thread(s); median of {args.repeats} interleaved runs per variant; {args.clock} clock", flush=True)
