@@ -28,7 +28,8 @@ same repeat (the variants' order rotates from repeat to repeat), which a load dr
 minutes does not bias, with its lowest and highest (an interval of the median: 94% at 5
 repeats). Beside the variants runs an A/A control, a second k = 0 engine doing the same work as
 the first: how far its paired ratio strays from 1 is what measurement error alone does to a
-ratio in this run, the yardstick for auto's.
+ratio in this run, the yardstick for auto's. Last, auto's choices alone: the k of its timed runs
+valued at the fixed engines' medians, what its decisions are worth apart from its own timing.
 """
 
 from __future__ import annotations
@@ -275,6 +276,7 @@ def throughput_table(cells: list[dict], args) -> str:
     other = "cpu" if CLOCK_NAME[0] == "wall" else "wall"
     header = ["heads", "new tokens", "prompts", "response tokens (mean)", "k=0 tokens/s", *[f"{name} vs k=0" for name in names],
               "auto vs k=0 (k of its runs)", "auto vs best fixed k", "paired per repeat: auto vs k=0, vs best fixed k",
+              "auto's choices at the fixed k's medians: vs k=0, vs best fixed k",
               f"paired, {CONTROL} vs k=0 (lowest-highest)",
               f"{other} clock: {', '.join(names)}, auto vs k=0",
               "acceptance, draft 1 / 2 (k=2)"]
@@ -292,6 +294,7 @@ def throughput_table(cells: list[dict], args) -> str:
             + " | ".join(f"{variants[name].rate / base:.2f}x" for name in names)
             + f" | {auto.rate / base:.2f}x (k={'/'.join(map(str, auto.chosen))}) | {auto.rate / best_fixed:.2f} | "
             + f"{auto.paired(variants['k=0']):.2f}, {auto.paired(best_variant):.2f} | "
+            + f"{choices_valued(auto, variants) / base:.2f}, {choices_valued(auto, variants) / best_fixed:.2f} | "
             + f"{interval(variants[CONTROL], variants['k=0'])} | "
             + ", ".join(f"{variants[name].rate_by(other) / variants['k=0'].rate_by(other):.2f}x" for name in [*names, "auto"])
             + " | "
@@ -304,7 +307,7 @@ def throughput_table(cells: list[dict], args) -> str:
 def auto_summary(cells: list[dict], args) -> str:
     """The issue's goals in one line: auto's worst ratio against k = 0 and against the best fixed k."""
     names = ["k=0", *[f"k={k}" for k in range(1, args.mtp_layers + 1)]]
-    against_k0, against_best, paired_k0, paired_best, control = [], [], [], [], []
+    against_k0, against_best, paired_k0, paired_best, control, choices = [], [], [], [], [], []
     for cell in cells:
         variants = {variant.name: variant for variant in cell["variants"]}
         auto, best = variants["auto"], max((variants[name] for name in names), key=lambda variant: variant.rate)
@@ -313,12 +316,23 @@ def auto_summary(cells: list[dict], args) -> str:
         paired_k0.append((auto.paired(variants["k=0"]), interval(auto, variants["k=0"])))
         paired_best.append((auto.paired(best), interval(auto, best)))
         control.append((variants[CONTROL].paired(variants["k=0"]), interval(variants[CONTROL], variants["k=0"])))
+        choices.append(choices_valued(auto, variants) / best.rate)
     worst = [min(pairs)[1] for pairs in (paired_k0, paired_best, control)]
     farthest_control = max(control, key=lambda pair: abs(pair[0] - 1.0))[1]
     return (f"\nauto, worst cell: {min(against_k0):.2f}x k = 0, {min(against_best):.2f}x the best fixed k "
             f"(goal: both >= 0.97); median cell: {statistics.median(against_k0):.2f}x, {statistics.median(against_best):.2f}x"
             f"\npaired per repeat (median, lowest-highest), worst cell: {worst[0]} x k = 0, {worst[1]} x the best fixed k; "
-            f"A/A control ({CONTROL} vs k=0, the same work twice): worst cell {worst[2]}, farthest from 1 {farthest_control}")
+            f"A/A control ({CONTROL} vs k=0, the same work twice): worst cell {worst[2]}, farthest from 1 {farthest_control}"
+            f"\nauto's choices alone (its runs' k at the fixed engines' median tokens/s), worst cell: {min(choices):.2f} "
+            "x the best fixed k")
+
+
+def choices_valued(auto: Variant, variants: dict[str, Variant]) -> float:
+    """The tokens/s auto's timed runs would have had at the k it chose, each run at that k's fixed
+    engine's median: what its decisions are worth apart from its own rollouts' timing noise (and
+    its switches). Every run generates the same tokens, so the rate of the runs together is the
+    harmonic mean of their rates."""
+    return len(auto.chosen) / sum(1.0 / variants[f"k={k}"].rate for k in auto.chosen)
 
 
 def interval(variant: Variant, other: Variant) -> str:
