@@ -39,7 +39,7 @@ def test_summary_shows_each_depth_and_draft_and_nothing_else_per_depth():
     ]
     summary = run_summary(history, Path("logs/run"), 12.0, Path("logs/run/mtp_run.png"))
     assert summary.splitlines() == [
-        "GRPO moved the policy: validation accuracy 0.500 -> 1.000 (+0.500); the MTP head's rollout acceptance 30.0% -> 45.0% (first and last step)",
+        "GRPO moved the policy: validation accuracy 0.500 -> 1.000 (+0.500); the MTP head's rollout acceptance 30.0% -> 45.0% (the first and last of 2 rollouts that drafted)",
         "reward: 0.250 -> 0.750",
         "validation accuracy: 0.500 -> 1.000",
         "rollout/draft_1_acceptance_rate: 30.0% -> 45.0%",
@@ -58,7 +58,7 @@ def test_what_moved_says_whether_grpo_moved_the_policy_and_whether_the_head_kept
     still = [{"val/accuracy": 0.95, "rollout/draft_1_acceptance_rate": 90.0}, {"val/accuracy": 1.0, "rollout/draft_1_acceptance_rate": 97.0}]
     assert what_moved(still) == (
         "GRPO hardly moved the policy: validation accuracy 0.950 -> 1.000 (+0.050); "
-        "the MTP head's rollout acceptance 90.0% -> 97.0% (first and last step)"
+        "the MTP head's rollout acceptance 90.0% -> 97.0% (the first and last of 2 rollouts that drafted)"
     )
     moved = [
         {"val/accuracy": 0.3, "train/kl_to_start": 0.0, "rollout/draft_1_acceptance_rate": 85.0},
@@ -67,7 +67,7 @@ def test_what_moved_says_whether_grpo_moved_the_policy_and_whether_the_head_kept
     ]
     assert what_moved(moved) == (
         "GRPO moved the policy: validation accuracy 0.300 -> 0.700 (+0.400), KL to the start of RL 0.80 nats/token; "
-        "the MTP head's rollout acceptance 85.0% -> 70.0% (first and last step)"
+        "the MTP head's rollout acceptance 85.0% -> 70.0% (the first and last of 2 rollouts that drafted)"
     )
     assert what_moved([{"train/reward": 1.0}]) == ""  # no validation: nothing to say
 
@@ -78,7 +78,7 @@ def test_the_heads_acceptance_is_averaged_over_ten_steps_at_each_end():
     history = [{"val/accuracy": 0.2, "rollout/draft_1_acceptance_rate": 80.0}]
     history += [{"rollout/draft_1_acceptance_rate": value} for value in [80.0] * 9 + [50.0] * 15 + [70.0] * 10]
     history[-1]["val/accuracy"] = 0.6
-    assert what_moved(history).endswith("the MTP head's rollout acceptance 80.0% -> 70.0% (means of the first and last 10 steps)")
+    assert what_moved(history).endswith("the MTP head's rollout acceptance 80.0% -> 70.0% (means of the first and last 10 of 35 rollouts that drafted)")
 
 
 def test_a_run_that_drafted_once_says_so_and_gives_the_trainers_forecast_instead_of_first_to_last():
@@ -100,4 +100,4 @@ def test_a_run_that_drafted_once_says_so_and_gives_the_trainers_forecast_instead
     assert "rollout/draft_1_acceptance_rate: 85.4% (logged at one step only)" in lines
     assert "train/mtp/mtp_1_expected_acceptance: 85.7% -> 74.4%" in lines
     twice = [dict(once[0]), {"val/accuracy": 0.7, "rollout/draft_1_acceptance_rate": 80.0}]
-    assert what_moved(twice).endswith("the MTP head's rollout acceptance 85.4% -> 80.0% (first and last step)")
+    assert what_moved(twice).endswith("the MTP head's rollout acceptance 85.4% -> 80.0% (the first and last of 2 rollouts that drafted)")
