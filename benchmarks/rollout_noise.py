@@ -113,6 +113,7 @@ def over_round_medians(seconds: list[list[float]]) -> list[list[float]]:
     medians = [statistics.median(round_seconds) for round_seconds in zip(*seconds)]
     return [[value / median for value, median in zip(engine_seconds, medians)] for engine_seconds in seconds]
 
+
 def capped_total(step_seconds: list[float]) -> float:
     """A rollout's seconds with every step above ``STEP_CAP`` x its median step counted at that."""
     cap = STEP_CAP * statistics.median(step_seconds)

@@ -288,13 +288,14 @@ def throughput_table(cells: list[dict], args) -> str:
         best_fixed = max(variants[name].rate for name in ["k=0", *names])
         best_variant = max((variants[name] for name in ["k=0", *names]), key=lambda variant: variant.rate)
         deepest = variants[names[-1]]
+        chosen = choices_valued(auto, variants)
         mean_length = deepest.tokens / cell["batch"]
         lines.append(
             f"| {cell['heads']} | {cell['new_tokens']} | {cell['batch']} | {mean_length:.0f} | {base:.0f} | "
             + " | ".join(f"{variants[name].rate / base:.2f}x" for name in names)
             + f" | {auto.rate / base:.2f}x (k={'/'.join(map(str, auto.chosen))}) | {auto.rate / best_fixed:.2f} | "
             + f"{auto.paired(variants['k=0']):.2f}, {auto.paired(best_variant):.2f} | "
-            + f"{choices_valued(auto, variants) / base:.2f}, {choices_valued(auto, variants) / best_fixed:.2f} | "
+            + f"{chosen / base:.2f}, {chosen / best_fixed:.2f} | "
             + f"{interval(variants[CONTROL], variants['k=0'])} | "
             + ", ".join(f"{variants[name].rate_by(other) / variants['k=0'].rate_by(other):.2f}x" for name in [*names, "auto"])
             + " | "
