@@ -274,8 +274,9 @@ class IncrementalDrafts:
         CPU. Returns the hidden states ``[R, 1, H]`` at the last positions."""
         state = self._round
         before_last = valid & (positions < state["verified"][:, None] - 1)
-        keys_layout = self._layout(positions, before_last, query_lengths=state["verified"])  # query lengths: unread
-        if keys_layout["kept"] is None or keys_layout["kept"].numel():  # a CPU skips a pass of no positions
+        keys_kept = _kept_positions(before_last)
+        if keys_kept is None or keys_kept.numel():  # a CPU skips a pass of no positions (k = 1, every draft rejected)
+            keys_layout = self._layout(positions, before_last, query_lengths=state["verified"])  # query lengths: unread
             self._run_layer(depth, hidden, tokens, positions, keys_layout, keys_only=True)
         rows = torch.arange(positions.shape[0], device=positions.device)
 
