@@ -92,7 +92,7 @@ def what_moved(history: list[dict[str, float]]) -> str:
         window = max(1, min(ACCEPTANCE_WINDOW, len(drafted) // 2))  # the two ends never overlap
         first, last = sum(drafted[:window]) / window, sum(drafted[-window:]) / window
         # auto may draft at a few steps only (its refreshes): say how many rollouts the ends are
-        ends = f"the first and last of {len(drafted)} rollouts that drafted" if window == 1 else f"means of the first and last {window} of {len(drafted)} rollouts that drafted"
+        ends = ("the first and last" if window == 1 else f"means of the first and last {window}") + f" of {len(drafted)} rollouts that drafted"
         line += f"; the MTP head's rollout acceptance {first:.1f}% -> {last:.1f}% ({ends})"
     return line
 

@@ -238,21 +238,22 @@ class IncrementalDrafts:
         if self._splits(depth, positions.device):
             last = self._keys_then_last(depth, hidden, tokens, positions, valid, last_column)
             return last, output_logits(self.model, last)
-        layout = self._layout(positions, valid, query_lengths=verified - start)
+        layout = self._layout(positions, valid, query_lengths=verified - start, kept=_kept_positions(valid))
         output = self._run_layer(depth, hidden, tokens, positions, layout)
         state["previous_start"], state["previous_output"] = start, output  # the next depth's inputs
         last = output[rows, last_column].unsqueeze(1)
         return last, output_logits(self.model, last)
 
-    def _layout(self, positions: torch.Tensor, valid: torch.Tensor, query_lengths: torch.Tensor) -> dict:
-        """Where the layer's positions ``[R, W]`` write their keys and what they attend to."""
+    def _layout(self, positions: torch.Tensor, valid: torch.Tensor, query_lengths: torch.Tensor, kept: torch.Tensor | None) -> dict:
+        """Where the layer's positions ``[R, W]`` write their keys and what they attend to; ``kept``:
+        the positions the layer runs (:func:`_kept_positions` of ``valid``)."""
         state = self._round
         return {
             "slots": self.cache.slots(state["block_table"], positions, valid),
             "query_lengths": query_lengths,
             "key_lengths": state["verified"],
             "block_table": state["block_table"],
-            "kept": _kept_positions(valid),
+            "kept": kept,
         }
 
     def _splits(self, depth: int, device: torch.device) -> bool:
@@ -276,7 +277,7 @@ class IncrementalDrafts:
         before_last = valid & (positions < state["verified"][:, None] - 1)
         keys_kept = _kept_positions(before_last)
         if keys_kept is None or keys_kept.numel():  # a CPU skips a pass of no positions (k = 1, every draft rejected)
-            keys_layout = self._layout(positions, before_last, query_lengths=state["verified"])  # query lengths: unread
+            keys_layout = self._layout(positions, before_last, query_lengths=state["verified"], kept=keys_kept)  # query lengths: unread
             self._run_layer(depth, hidden, tokens, positions, keys_layout, keys_only=True)
         rows = torch.arange(positions.shape[0], device=positions.device)
 
@@ -284,7 +285,8 @@ class IncrementalDrafts:
             return tensor[rows, last_column].unsqueeze(1)
 
         last_positions = at_last(positions)
-        layout = self._layout(last_positions, torch.ones_like(last_positions, dtype=torch.bool), query_lengths=torch.ones_like(last_column))
+        every = torch.ones_like(last_positions, dtype=torch.bool)
+        layout = self._layout(last_positions, every, query_lengths=torch.ones_like(last_column), kept=None)  # every position in range
         return self._run_layer(depth, at_last(hidden), at_last(tokens), last_positions, layout)
 
     def _depth_inputs(self, depth: int, start: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
