@@ -53,6 +53,12 @@ from nemo_rl_mtp.megatron_compat.cpu.paged_attention import paged_attention_over
 
 logger = logging.getLogger(__name__)
 
+# On a CPU, the last depth's keys-only positions ride along in the pass over the last positions
+# while their MLP's multiply-adds (hidden x ffn hidden per position) stay within this: a second
+# pass costs megatron's modules again, about 0.5 ms of CPU, what some 250 positions of the MLP
+# cost at hidden 64, ffn 256 (measured at 512 requests); half that, 128 positions there.
+RIDE_ALONG_MULTIPLY_ADDS = 128 * 64 * 256
+
 
 def mtp_self_attention(layer):
     """The self-attention module of an MTP layer's transformer layer, or None where the layer is
@@ -175,6 +181,7 @@ class IncrementalDrafts:
         self.cores = [
             CachedDepthAttention(self.cache.buffer[depth], attention.core_attention.softmax_scale) for depth, attention in enumerate(self.attentions)
         ]
+        self.ride_along_positions = RIDE_ALONG_MULTIPLY_ADDS // (model.config.hidden_size * model.config.ffn_hidden_size)
         self.rotary = None
         if model.position_embedding_type == "rope":
             self.rotary = model.rotary_pos_emb(context.max_sequence_length + num_depths + 1)
@@ -276,12 +283,11 @@ class IncrementalDrafts:
         them, then the whole layer runs on the last position of each request, attending over
         them. At 512 prompts the MLP, the output projection and the attention of all but 512
         positions are not computed: the prefill round's MTP layer at k = 1 took 82 -> 26 ms of
-        CPU. In a decode round with at most one such position per request (always at k = 1)
-        they ride along in the pass over the last positions instead, after its R rows: they write
+        CPU. Where they are few (``ride_along_positions``, :data:`RIDE_ALONG_MULTIPLY_ADDS`) they
+        ride along in the pass over the last positions instead, after its R rows: they write
         their keys, do not attend, and their outputs, never read, cost a few rows of the MLP,
-        where a second pass costs megatron's modules again (a k = 1 step's drafts took 5-10%
-        less CPU at 32 and 512 requests). Returns the hidden states ``[R, 1, H]`` at the last
-        positions."""
+        where a second pass costs megatron's modules again. Returns the hidden states ``[R, 1,
+        H]`` at the last positions."""
         state = self._round
         requests, width = positions.shape
         before_last = valid & (positions < state["verified"][:, None] - 1)
@@ -291,7 +297,7 @@ class IncrementalDrafts:
         def at_last(tensor: torch.Tensor) -> torch.Tensor:
             return tensor[rows, last_column].unsqueeze(1)
 
-        if keys_kept is not None and state["decode_only"] and keys_kept.numel() <= requests:
+        if keys_kept is not None and keys_kept.numel() <= self.ride_along_positions:  # none (every draft rejected): the last pass alone
 
             def with_keys(tensor: torch.Tensor) -> torch.Tensor:
                 return torch.cat([at_last(tensor)[:, 0], tensor.reshape(requests * width, *tensor.shape[2:])[keys_kept]])[:, None]
@@ -299,9 +305,8 @@ class IncrementalDrafts:
             grid = self._layout(positions, torch.ones_like(valid), query_lengths=torch.ones_like(last_column), kept=None)
             layout = grid | {"slots": with_keys(grid["slots"]), "attending_rows": requests}
             return self._run_layer(depth, with_keys(hidden), with_keys(tokens), with_keys(positions), layout)[:requests]
-        if keys_kept is None or keys_kept.numel():  # a CPU skips a pass of no positions (k = 1, every draft rejected)
-            keys_layout = self._layout(positions, before_last, query_lengths=state["verified"], kept=keys_kept)  # query lengths: unread
-            self._run_layer(depth, hidden, tokens, positions, keys_layout, keys_only=True)
+        keys_layout = self._layout(positions, before_last, query_lengths=state["verified"], kept=keys_kept)  # query lengths: unread
+        self._run_layer(depth, hidden, tokens, positions, keys_layout, keys_only=True)
         last_positions = at_last(positions)
         every = torch.ones_like(last_positions, dtype=torch.bool)
         layout = self._layout(last_positions, every, query_lengths=torch.ones_like(last_column), kept=None)  # every position in range
