@@ -2,6 +2,7 @@
 at k = 0 and k = 1 (MTP drafts), greedy, one thread each, and what a k = 1 step costs in each.
 
     uv run python -m benchmarks.vllm_side_by_side [--hf-ckpt-path DIR] [--vllm-python PY] [--repeats 6]
+        [--no-vllm-logprobs]
 
 The checkpoint is a Hugging Face export in MiMo's layout (``--hf-ckpt-path``; by default the tiny
 random one ``scripts/tiny_mimo_checkpoint.py`` writes: hidden 64, two heads of 32, one MTP layer).
@@ -12,6 +13,8 @@ kept alive for the whole benchmark (``vllm_side_by_side_worker.py``), eager, pre
 Both keep freed memory in the process (glibc's malloc thresholds raised, as a policy worker of
 ours sets them: ``cluster.worker.keep_freed_host_memory``), so neither pays page faults per call.
 Both decode greedily the same prompts (the tokenizer's chat template around arithmetic questions).
+Both return each generated token's log-prob, as an RL rollout needs them (ours always does; vLLM's
+``logprobs=0``); ``--no-vllm-logprobs`` asks vLLM for the tokens alone, which its serving does.
 
 Cells (requests x new tokens): 512 x 5 ending at the end-of-sequence token; 1 x 5 (32 prompts, one
 after the other); 512 x 64 and 1 x 64 (8 prompts one after the other), the end-of-sequence token
@@ -168,7 +171,7 @@ def ours_on_export(checkpoint: Path | None, scratch: Path, count: int) -> tuple[
 class Vllm:
     """One vLLM worker process per k, built once, serving timed generations."""
 
-    def __init__(self, python: Path, checkpoint: Path, log_dir: Path):
+    def __init__(self, python: Path, checkpoint: Path, log_dir: Path, logprobs: bool):
         from examples.serve_check import preload_env
         from nemo_rl_mtp.cluster.worker import MMAP_THRESHOLD_MAX, TRIM_THRESHOLD
 
@@ -177,7 +180,7 @@ class Vllm:
         env["OMP_NUM_THREADS"] = "1"
         # The same malloc policy as ours (cluster.worker.keep_freed_host_memory), read by glibc at start.
         env["MALLOC_MMAP_THRESHOLD_"], env["MALLOC_TRIM_THRESHOLD_"] = str(MMAP_THRESHOLD_MAX), str(TRIM_THRESHOLD)
-        self.workers = {}
+        self.workers, self.logprobs = {}, logprobs
         for k in (0, 1):
             read_fd, write_fd = os.pipe()
             log = open(log_dir / f"vllm_k{k}.log", "w")
@@ -197,7 +200,8 @@ class Vllm:
 
     def run(self, cell: Cell, k: int, prompts: list[list[int]], eos_id: int, pad_id: int) -> Run:
         process, replies = self.workers[k]
-        request = {"prompts": prompts, "max_tokens": cell.new_tokens, "stop_token_ids": [eos_id], "ignore_eos": cell.ignore_eos, "sequential": cell.requests == 1}
+        request = {"prompts": prompts, "max_tokens": cell.new_tokens, "stop_token_ids": [eos_id], "ignore_eos": cell.ignore_eos, "sequential": cell.requests == 1,
+                   "logprobs": self.logprobs}
         process.stdin.write(json.dumps(request) + "\n")
         process.stdin.flush()
         line = replies.readline()
@@ -265,6 +269,7 @@ def main() -> None:
     parser.add_argument("--hf-ckpt-path", type=Path, help="a MiMo-layout export (default: a tiny random one, written to a temporary directory)")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--vllm-logprobs", action=argparse.BooleanOptionalAction, default=True, help="vLLM returns the tokens' log-probs, as ours does (the default)")
     args = parser.parse_args()
     python = vllm_python(args.vllm_python)
     with tempfile.TemporaryDirectory(prefix="vllm_side_by_side_") as scratch:
@@ -281,11 +286,12 @@ def main() -> None:
         texts = questions(max(cell.prompts for cell in CELLS))
         chats = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False) for text in texts]
         all_prompts = [tokenizer.encode(chat, add_special_tokens=False) for chat in chats]
-        vllm = Vllm(python, checkpoint, scratch)
+        vllm = Vllm(python, checkpoint, scratch, args.vllm_logprobs)
         engines = {"ours": ours, "vllm": vllm}
         import torch
 
-        print(f"checkpoint {checkpoint}; torch threads: ours {torch.get_num_threads()}, vLLM {vllm.threads}; {args.repeats} rounds, the four variants' order rotated per round", flush=True)
+        print(f"checkpoint {checkpoint}; torch threads: ours {torch.get_num_threads()}, vLLM {vllm.threads}; {args.repeats} rounds, the four variants' order rotated per round; "
+              f"log-probs returned: ours yes, vLLM {'yes' if args.vllm_logprobs else 'no'}", flush=True)  # fmt: skip
         results = {}
         try:
             for cell in CELLS:  # warm-up: every engine built and run once, untimed

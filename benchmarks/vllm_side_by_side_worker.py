@@ -6,10 +6,11 @@ and then serves timed generations.
 
 First line on stdin: ``{"model": dir, "num_speculative_tokens": k, "trust_remote_code": bool}``.
 Each further line: ``{"prompts": [[ids]], "max_tokens": n, "stop_token_ids": [ids], "ignore_eos":
-bool, "sequential": bool}``; the reply (one JSON line on the reply fd, vLLM's own log stays on
+bool, "sequential": bool, "logprobs": bool}``; the reply (one JSON line on the reply fd, vLLM's own log stays on
 stdout): the responses, the seconds of the generate calls alone (perf_counter), and the
 speculative-decoding counters the calls added. ``sequential``: each prompt alone, one after the
-other (a batch of one).
+other (a batch of one). ``logprobs``: each generated token's log-prob is returned too (vLLM's
+``logprobs=0``: the sampled token's alone), as an RL rollout needs them.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def main() -> int:
         request = json.loads(line)
         params = SamplingParams(
             temperature=0.0, max_tokens=request["max_tokens"], stop_token_ids=request["stop_token_ids"],
-            ignore_eos=request["ignore_eos"], detokenize=False,
+            ignore_eos=request["ignore_eos"], detokenize=False, logprobs=0 if request["logprobs"] else None,
         )  # fmt: skip
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
         before = counters(llm)
@@ -77,6 +78,8 @@ def main() -> int:
         else:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
+        if request["logprobs"] and any(output.outputs[0].logprobs is None for output in outputs):
+            raise SystemExit("vLLM returned no log-probs where they were asked for")
         after = counters(llm)
         accepted = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"]))]
         result = {
