@@ -6,9 +6,9 @@ and then serves timed generations.
 
 First line on stdin: ``{"model": dir, "num_speculative_tokens": k, "trust_remote_code": bool}``.
 Each further line: ``{"prompts": [[ids]], "max_tokens": n, "stop_token_ids": [ids], "ignore_eos":
-bool, "sequential": bool, "logprobs": bool}``; the reply (one JSON line on the reply fd, vLLM's own log stays on
-stdout): the responses, the seconds of the generate calls alone (perf_counter), and the
-speculative-decoding counters the calls added. ``sequential``: each prompt alone, one after the
+bool, "sequential": bool, "logprobs": bool}``; the reply (one JSON line on the reply fd, vLLM's
+own log stays on stdout): the responses, the seconds of the generate calls alone (perf_counter),
+and the speculative-decoding counters the calls added. ``sequential``: each prompt alone, one after the
 other (a batch of one). ``logprobs``: each generated token's log-prob is returned too (vLLM's
 ``logprobs=0``: the sampled token's alone), as an RL rollout needs them.
 """
