@@ -47,9 +47,13 @@ The choice and the numbers behind it (the estimate it was chosen on; afterwards 
 tokens/s) are returned with the rollout and logged as ``rollout/num_speculative_tokens``,
 ``rollout/expected_tokens_per_s`` and ``rollout/engine_tokens_per_s``.
 
-Times are wall-clock on a GPU (where the device's work is what a step waits for) and the process's
-CPU time without one: on a CPU the engine's work is the process's own, and other jobs on a shared
-machine would otherwise add their load to whichever k happened to be measured while they ran.
+Times are wall-clock on a GPU (where the device's work is what a step waits for) and CPU time
+without one: on a CPU the engine's work is the process's own, and other jobs on a shared machine
+would otherwise add their load to whichever k happened to be measured while they ran. With one
+torch thread (a CPU run's default) it is the CPU time of the thread that runs the engine: the
+process's other threads (Ray's, the loggers') take about 2% of it in a rollout of the default
+recipe, and more the longer a busy machine stretches the rollout's wall time (15% at 12x), which
+made stretched rollouts of one k look slower than they ran.
 """
 
 from __future__ import annotations
@@ -403,7 +407,9 @@ def step_clock():
     """The clock step costs are measured with (module docstring)."""
     from nemo_rl_mtp.megatron_compat.cpu.training_runtime import cuda_available
 
-    return time.perf_counter if cuda_available() else time.process_time
+    if cuda_available():
+        return time.perf_counter
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
 def decode_step_seconds(rollout_engine, prompts: list[list[int]], params) -> tuple[float, dict]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 import math
+import threading
+import time
 import weakref
 
 import pytest
@@ -147,6 +149,36 @@ def test_k0_left_with_an_unlucky_estimate_is_measured_again():
     assert chosen[:2] == [1, 0], chosen
     assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [2, 52, *range(62, 71)], chosen
     assert 600.0 / 800.0 < 1.0 - adaptive_speculation.REFRESH_WITHIN  # the control: outside the old refresh
+
+
+def test_on_a_cpu_auto_times_the_engines_thread_alone():
+    """Another thread of the process spinning while the engine's thread waits (as Ray's and the
+    loggers' threads run while a busy machine stretches a rollout) adds nothing to auto's clock;
+    the control, the process's CPU time, counts it. With several torch threads computing for the
+    engine, all of the process's CPU time counts."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert adaptive_speculation.step_clock() is time.process_time
+        torch.set_num_threads(1)  # a CPU run's default
+        clock = adaptive_speculation.step_clock()
+    finally:
+        torch.set_num_threads(threads)
+    done = threading.Event()
+
+    def spin():
+        while not done.is_set():
+            pass
+
+    start, process_start = clock(), time.process_time()
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    time.sleep(0.3)
+    done.set()
+    spinner.join()
+    elapsed, process_elapsed = clock() - start, time.process_time() - process_start
+    assert process_elapsed > 0.1, process_elapsed  # the control: the spinning thread's CPU time
+    assert elapsed < 0.1 * process_elapsed, (elapsed, process_elapsed)
 
 
 def test_an_incumbent_within_the_hysteresis_is_kept():
