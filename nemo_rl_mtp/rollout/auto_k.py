@@ -51,9 +51,9 @@ Times are wall-clock on a GPU (where the device's work is what a step waits for)
 without one: on a CPU the engine's work is the process's own, and other jobs on a shared machine
 would otherwise add their load to whichever k happened to be measured while they ran. With one
 torch thread (a CPU run's default) it is the CPU time of the thread that runs the engine: the
-process's other threads (Ray's, the loggers') take about 2% of it in a rollout of the default
-recipe, and more the longer a busy machine stretches the rollout's wall time (15% at 12x), which
-made stretched rollouts of one k look slower than they ran.
+process's other threads (Ray's, the loggers') add about 2% to a rollout of the default recipe,
+and more the longer a busy machine stretches its wall time (6-27% in rollouts stretched 3-20-fold),
+which made such rollouts of one k look slower than they ran.
 """
 
 from __future__ import annotations
