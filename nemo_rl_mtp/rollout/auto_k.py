@@ -14,10 +14,12 @@ of two) and per greedy/sampled (they accept differently):
   draft before it), so the prior expects R (1 + sum rho_i) / c_k tokens/s, R the requests a step
   serves. rho_i is the latest rollout's measurement while no training step came after it, else
   the trainer's forecast (``mtp_{d}_expected_acceptance``, chained), else the latest measurement.
-- **Estimates.** A k measured in this context is estimated by the median of its last
+- **Estimates.** A k measured in this context is estimated by the fastest of its last
   ``WINDOW`` realised tokens/s, each scaled by how its acceptance moved since (1 + sum rho_i now,
   over the tokens per request-step that rollout realised: the heads train between rollouts;
-  costs per step are taken as they were measured). A k not measured yet is estimated
+  costs per step are taken as they were measured). The fastest, as the profile keeps a k's
+  fastest step: another job on the machine only ever slows a rollout, and where it slowed two of
+  three a median took them for the k's speed. A k not measured yet is estimated
   by its prior in proportion to the latest measured k's (the profile's short sequences set the
   ratios, the rollouts the scale).
 - **Choice.** The first rollout takes the prior's best, and speculates only where that beats
@@ -39,7 +41,7 @@ within ``HYSTERESIS`` of it) or a refresh of a k whose cost (gap and switches), 
 rollouts since that k last ran, is at most REFRESH_WITHIN / REFRESH_EVERY (``FAR_REFRESH_COST``
 is less). So over a run, tokens/s is at least (1 - HYSTERESIS) (1 - max_k REFRESH_WITHIN /
 REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one rollout's
-tokens/s against its repeat; the median of ``WINDOW`` damps it): 0.99 x 0.99 = 0.98 at
+tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99 = 0.98 at
 max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each plausible k one rollout
 per context, once per run; a switch the estimates call for costs one rebuild.
 
@@ -101,7 +103,7 @@ REFRESH_EVERY = 10
 # A k farther below is re-measured after gap / FAR_REFRESH_COST rollouts: on average its refreshes
 # cost this fraction of a rollout (half what a close k's may).
 FAR_REFRESH_COST = 0.005
-# Realised tokens/s of a k: the median of its latest WINDOW rollouts.
+# Realised tokens/s of a k: the fastest of its latest WINDOW rollouts.
 WINDOW = 3
 
 
@@ -256,7 +258,7 @@ class AdaptiveSpeculation:
         acceptance's move since, the others from the prior scaled to the latest measured k."""
         state, tokens = self.context(bucket, greedy), self.tokens_per_request_step(greedy)
         measured = {
-            k: statistics.median(obs.tokens_per_s * tokens[k] / obs.tokens_per_request_step for obs in observations)
+            k: max(obs.tokens_per_s * tokens[k] / obs.tokens_per_request_step for obs in observations)
             for k, observations in state.observations.items()
         }
         prior = self.prior(bucket, greedy, num_requests)

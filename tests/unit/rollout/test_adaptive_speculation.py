@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 import threading
 import time
 import weakref
@@ -131,10 +132,8 @@ def test_the_fastest_measured_k_is_kept_and_the_others_refreshed_in_proportion_t
 def test_k0_left_with_an_unlucky_estimate_is_measured_again():
     """k = 0 is truly the fastest (1,000/s against k = 1's 800/s), but its first look came out at
     600/s (a load spike): auto settles on k = 1, then re-measures k = 0 after (1 - 600/800) /
-    FAR_REFRESH_COST = 50 rollouts (rollout 52). The median of its two measurements (800/s) only
-    ties k = 1, so it is measured again REFRESH_EVERY rollouts later (62); the median of three is
-    1,000/s and auto keeps k = 0 from there on. Control: without a refresh beyond REFRESH_WITHIN,
-    k = 0 (25% below) would never run again."""
+    FAR_REFRESH_COST = 50 rollouts (rollout 52), finds 1,000/s and keeps k = 0 from there on.
+    Control: without a refresh beyond REFRESH_WITHIN, k = 0 (25% below) would never run again."""
     tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
 
     class UnluckyFirstLook(dict):
@@ -147,7 +146,7 @@ def test_k0_left_with_an_unlucky_estimate_is_measured_again():
     realised = UnluckyFirstLook({0: 1000.0, 1: 800.0})
     chosen = [_rollout(tuner, realised) for _ in range(70)]
     assert chosen[:2] == [1, 0], chosen
-    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [2, 52, *range(62, 71)], chosen
+    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [2, *range(52, 71)], chosen
     assert 600.0 / 800.0 < 1.0 - adaptive_speculation.REFRESH_WITHIN  # the control: outside the old refresh
 
 
@@ -173,12 +172,33 @@ def test_on_a_cpu_auto_times_the_engines_thread_alone():
     start, process_start = clock(), time.process_time()
     spinner = threading.Thread(target=spin)
     spinner.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60.0
+    while time.process_time() - process_start < 0.2 and time.monotonic() < deadline:  # however busy the machine
+        time.sleep(0.01)
     done.set()
     spinner.join()
     elapsed, process_elapsed = clock() - start, time.process_time() - process_start
-    assert process_elapsed > 0.1, process_elapsed  # the control: the spinning thread's CPU time
+    assert process_elapsed >= 0.2, process_elapsed  # the control: the spinning thread's CPU time
     assert elapsed < 0.1 * process_elapsed, (elapsed, process_elapsed)
+
+
+def test_two_slowed_rollouts_of_three_do_not_hide_a_ks_speed():
+    """k = 0 runs at 1,000/s, k = 1 at 800/s. After k = 0's first three rollouts two more come out
+    at 330/s and 500/s (another job on the machine slowed them): its window holds 1,000, 330 and
+    500, and auto stays on k = 0, its fastest. The control, the median of that window (500/s),
+    is below k = 1's 800/s: a median would have switched to the slower k."""
+    tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
+    realised = {0: 1000.0, 1: 800.0}
+    for _ in range(5):  # the first choice, the first looks, k = 0 settled
+        _rollout(tuner, realised)
+    state = tuner.context(32, False)
+    assert state.incumbent == 0 and len(state.observations[0]) == adaptive_speculation.WINDOW
+    for slowed in (330.0, 500.0):
+        assert _rollout(tuner, {0: slowed, 1: 800.0}) == 0
+    window = [observation.tokens_per_s for observation in state.observations[0]]
+    assert sorted(window) == [330.0, 500.0, 1000.0], window
+    assert statistics.median(window) < realised[1]  # the control
+    assert tuner.choose(32, False, 32).num_speculative_tokens == 0
 
 
 def test_an_incumbent_within_the_hysteresis_is_kept():
