@@ -19,9 +19,9 @@ of two) and per greedy/sampled (they accept differently):
   over the tokens per request-step that rollout realised: the heads train between rollouts;
   costs per step are taken as they were measured). The fastest, as the profile keeps a k's
   fastest step: another job on the machine only ever slows a rollout, and where it slowed two of
-  three a median took them for the k's speed. A k not measured yet is estimated
-  by its prior in proportion to the latest measured k's (the profile's short sequences set the
-  ratios, the rollouts the scale).
+  three a median took them for the k's speed. A k not measured yet is estimated by its prior in
+  proportion to the latest measured k's (the profile's short sequences set the ratios, the
+  rollouts the scale).
 - **Choice.** The first rollout takes the prior's best, and speculates only where that beats
   k = 0 by ``MIN_GAIN``. After it, every k whose prior is within ``FIRST_LOOK_WITHIN`` of the best
   is run once, k = 0 first (the profile can be wrong by tens of percent: in the default recipe it
