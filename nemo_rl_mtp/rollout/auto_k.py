@@ -41,8 +41,8 @@ within ``HYSTERESIS`` of it) or a refresh of a k whose cost (gap and switches), 
 rollouts since that k last ran, is at most REFRESH_WITHIN / REFRESH_EVERY (``FAR_REFRESH_COST``
 is less). So over a run, tokens/s is at least (1 - HYSTERESIS) (1 - max_k REFRESH_WITHIN /
 REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one rollout's
-tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99 = 0.98 at
-max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each plausible k one rollout
+tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99
+= 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each plausible k one rollout
 per context, once per run; a switch the estimates call for costs one rebuild.
 
 The choice and the numbers behind it (the estimate it was chosen on; afterwards the realised

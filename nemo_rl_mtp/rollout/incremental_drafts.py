@@ -268,10 +268,11 @@ class IncrementalDrafts:
         }
 
     def _splits(self, depth: int, device: torch.device) -> bool:
-        """Whether depth ``depth`` runs as a keys-only pass and a pass over the last positions
-        (:meth:`_keys_then_last`): the last depth, whose outputs no later depth reads, in a round
-        with prefill requests (their whole prompts), and on a CPU in every round. On a GPU a
-        decode round's few positions per request cost less than a second pass's kernel launches."""
+        """Whether depth ``depth`` runs its keys-only positions apart from the last ones
+        (:meth:`_keys_then_last`: a keys-only pass, or riding along where they are few): the last
+        depth, whose outputs no later depth reads, in a round with prefill requests (their whole
+        prompts), and on a CPU in every round. On a GPU a decode round's few positions per request
+        cost less than a second pass's kernel launches."""
         return depth == self.num_depths - 1 and (not self._round["decode_only"] or _on_cpu(device))
 
     def _keys_then_last(
