@@ -33,7 +33,7 @@ from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
 from nemo_rl_mtp.training import hybrid
 from nemo_rl_mtp.training.module_modes import eval_mode
 from nemo_rl_mtp.training.model import MegatronPolicyModel
-from nemo_rl_mtp.training.vocabulary import mask_ids_past_vocabulary
+from nemo_rl_mtp.training.vocabulary import fill_ids_past_vocabulary_
 from nemo_rl_mtp.config.schema import GenerationConfig, PolicyConfig
 from nemo_rl_mtp.metrics import DECODE_STEPS, LENGTHS, LOGPROBS, PROMPT_LENGTHS, TOKENS
 
@@ -301,7 +301,7 @@ def policy_sampling_distribution(model, temperature: float, vocab_size: int):
 
     def tempered(module, inputs, output):
         logits, bias = output
-        return mask_ids_past_vocabulary(logits / temperature, vocab_size, model.vocab_size), bias
+        return fill_ids_past_vocabulary_(logits / temperature, vocab_size, model.vocab_size), bias  # in the quotient, a new tensor
 
     handle = output_layer.register_forward_hook(tempered)
     try:
