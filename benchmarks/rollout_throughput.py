@@ -267,8 +267,22 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
     result = {"heads": heads, "new_tokens": new_tokens, "batch": batch, "variants": variants, "memory": memory}
     print(f"  {heads} heads, {new_tokens} new tokens, {batch} prompts: "
           + ", ".join(f"{v.name} {v.rate:.0f} tok/s" for v in variants)
-          + f", auto ran k={'/'.join(map(str, auto.chosen))}", flush=True)
+          + f", auto ran k={'/'.join(map(str, auto.chosen))}"
+          + f"; auto over the fixed engine at the k it ran, per repeat: {' '.join(f'{r:.2f}' for r in same_k_ratios(auto, variants))}",
+          flush=True)  # fmt: skip
     return result
+
+
+def same_k_ratios(auto: Variant, variants: list[Variant]) -> list[float]:
+    """Per timed repeat, auto's tokens/s over the fixed engine's at the k auto ran, in the same
+    repeat: what auto costs beyond its choice (its bookkeeping, a switch's engine build), up to
+    the noise between two engines (the A/A control)."""
+    by_name = {variant.name: variant for variant in variants}
+    clock_name = CLOCK_NAME[0]
+    return [
+        (auto.tokens / mine) / (by_name[f"k={k}"].tokens / by_name[f"k={k}"].times[clock_name][repeat])
+        for repeat, (k, mine) in enumerate(zip(auto.chosen, auto.times[clock_name]))
+    ]
 
 
 def throughput_table(cells: list[dict], args) -> str:
