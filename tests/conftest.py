@@ -3,6 +3,8 @@ import os
 
 import pytest
 
+import nemo_rl_mtp  # noqa: F401  first: megatron-core, imported by test modules, then skips torch's compiler
+
 
 def pytest_sessionstart(session):
     """Under the release matrix, make sure the intended megatron-core is the one imported."""

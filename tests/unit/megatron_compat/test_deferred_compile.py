@@ -1,0 +1,80 @@
+"""megatron-core's import skips torch's compiler on a CPU (``megatron_compat/cpu/deferred_compile.py``):
+measured in fresh processes against a control without the shim, and the deferred functions
+compiled by the real ``torch.compile`` at their first call, not before."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from nemo_rl_mtp.megatron_compat.cpu import deferred_compile
+
+# In a fresh process: import megatron-core (after the package when asked), report what it imported.
+IMPORT_PROBE = """
+import json, sys
+if sys.argv[1] == "with_package":
+    import nemo_rl_mtp
+import megatron.core, megatron.core.models.gpt
+from megatron.core import jit
+compiler = [name for name in ("torch._dynamo", "torch._inductor.compile_fx") if name in sys.modules]
+print(json.dumps({"compiler": compiler, "jit_fuser": jit.jit_fuser.__qualname__,
+                  "loader": type(megatron.core.__loader__).__name__}))
+"""
+
+
+def import_report(mode: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE, mode], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the shim acts only without CUDA")
+def test_megatron_core_imported_after_the_package_does_not_import_torchs_compiler():
+    control, shimmed = import_report("without_package"), import_report("with_package")
+    assert control["compiler"] == ["torch._dynamo", "torch._inductor.compile_fx"], (
+        "megatron-core's import no longer imports torch's compiler: deferred_compile has nothing "
+        f"left to do and can go ({control})"
+    )
+    assert shimmed["compiler"] == [], shimmed
+    assert shimmed["jit_fuser"].endswith("deferring_compile"), shimmed  # later megatron modules defer too
+    assert shimmed["loader"] == control["loader"]  # the module keeps its own loader
+
+
+def test_a_deferred_function_is_compiled_by_torch_compile_at_its_first_call_only():
+    backend = CompileCounter()
+    with deferred_compile.torch_compile_deferred() as deferred:
+
+        @torch.compile(backend=backend)
+        def gelu_gate(y: torch.Tensor) -> torch.Tensor:
+            first, second = torch.chunk(y, 2, -1)
+            return torch.nn.functional.gelu(first) * second
+
+    assert backend.frame_count == 0 and len(deferred) == 1 and deferred[0].endswith("gelu_gate")
+    y = torch.randn(4, 6)
+    reference = torch.nn.functional.gelu(y[:, :3]) * y[:, 3:]
+    torch.testing.assert_close(gelu_gate(y), reference)
+    assert backend.frame_count == 1  # compiled by the real torch.compile, with the options given
+    torch.testing.assert_close(gelu_gate(2 * y), torch.nn.functional.gelu(2 * y[:, :3]) * 2 * y[:, 3:])
+    assert backend.frame_count == 1  # and not again
+
+
+def test_modules_compile_at_once_and_torch_compile_is_put_back_after_an_error():
+    real_compile = torch.compile
+    with pytest.raises(RuntimeError, match="import failed"):
+        with deferred_compile.torch_compile_deferred() as deferred:
+            compiled = torch.compile(torch.nn.Linear(2, 2), backend=CompileCounter())
+            assert hasattr(compiled, "_orig_mod") and deferred == []  # an OptimizedModule, as torch returns
+            raise RuntimeError("import failed")
+    assert torch.compile is real_compile
+
+
+def test_install_is_idempotent_and_does_nothing_once_megatron_core_is_imported():
+    import megatron.core  # noqa: F401
+
+    assert deferred_compile.install() is False
+    assert sum(isinstance(finder, deferred_compile._FirstMegatronCoreImport) for finder in sys.meta_path) == 0
