@@ -36,6 +36,8 @@ from typing import Callable, Iterator
 logger = logging.getLogger(__name__)
 
 TARGET = "megatron.core"
+# The functions whose torch.compile this process deferred, by qualified name (filled as it goes).
+deferred_calls: list[str] = []
 
 
 def compile_at_first_call(compile: Callable, function: Callable, options: dict) -> Callable:
@@ -53,13 +55,14 @@ def compile_at_first_call(compile: Callable, function: Callable, options: dict) 
 
 
 @contextlib.contextmanager
-def torch_compile_deferred() -> Iterator[list[str]]:
+def torch_compile_deferred(deferred: list[str] | None = None) -> Iterator[list[str]]:
     """``torch.compile`` deferring plain functions (:func:`compile_at_first_call`) inside the
-    block, put back after it. Yields the list of the functions deferred, filled as it goes."""
+    block, put back after it. Yields ``deferred`` (a new list if None), to which the name of each
+    function deferred is appended, also by a decorator made in the block and used after it."""
     import torch
 
     real_compile = torch.compile
-    deferred: list[str] = []
+    deferred = [] if deferred is None else deferred
 
     def deferring_compile(model=None, /, **options):
         if model is None:  # @torch.compile(...) with options: the decorator it returns
@@ -93,11 +96,11 @@ class _DeferringLoader(importlib.abc.Loader):
         if torch.cuda.is_available():
             self.loader.exec_module(module)
             return
-        with torch_compile_deferred() as deferred:
+        with torch_compile_deferred(deferred_calls):
             self.loader.exec_module(module)
         logger.info(
             "deferred_compile: importing %s deferred %d torch.compile calls to their functions' first call",
-            TARGET, len(deferred),
+            TARGET, len(deferred_calls),
         )  # fmt: skip
 
 
