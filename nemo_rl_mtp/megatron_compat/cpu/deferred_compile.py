@@ -20,7 +20,7 @@ the same way.
 module every process imports before megatron-core); it acts at the first import of
 ``megatron.core`` and removes itself. Nothing happens on a machine with CUDA (the fusions run and
 compile there), where megatron-core was imported before, or where its import no longer calls
-``torch.compile`` (the count it logs is then 0: the shim has nothing left to do).
+``torch.compile`` (then it warns that it has nothing left to do).
 """
 
 from __future__ import annotations
@@ -96,12 +96,16 @@ class _DeferringLoader(importlib.abc.Loader):
         if torch.cuda.is_available():
             self.loader.exec_module(module)
             return
+        before = len(deferred_calls)
         with torch_compile_deferred(deferred_calls):
             self.loader.exec_module(module)
-        logger.info(
-            "deferred_compile: importing %s deferred %d torch.compile calls to their functions' first call",
-            TARGET, len(deferred_calls),
-        )  # fmt: skip
+        if len(deferred_calls) > before:
+            logger.info(
+                "deferred_compile: importing %s deferred %d torch.compile calls to their functions' first call",
+                module.__name__, len(deferred_calls) - before,
+            )  # fmt: skip
+        else:
+            logger.warning("deferred_compile: importing %s called no torch.compile; this shim has nothing left to do", module.__name__)
 
 
 class _FirstMegatronCoreImport(importlib.abc.MetaPathFinder):
@@ -113,7 +117,8 @@ class _FirstMegatronCoreImport(importlib.abc.MetaPathFinder):
             return None
         _remove()
         for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target)
+            find_spec = getattr(finder, "find_spec", None)
+            spec = find_spec(fullname, path, target) if find_spec is not None else None
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                     spec.loader = _DeferringLoader(spec.loader)

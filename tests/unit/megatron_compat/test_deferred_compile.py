@@ -5,7 +5,10 @@ without it side by side.)"""
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
+import logging
 import subprocess
 import sys
 
@@ -73,3 +76,23 @@ def test_install_is_idempotent_and_does_nothing_once_megatron_core_is_imported()
 
     assert deferred_compile.install() is False
     assert sum(isinstance(finder, deferred_compile._FirstMegatronCoreImport) for finder in sys.meta_path) == 0
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_the_wrapped_import_logs_what_it_deferred_and_warns_when_there_was_nothing(compiles, tmp_path, caplog):
+    """The loader as megatron-core's import uses it, on a module of our own: one with a
+    ``@torch.compile`` function is deferred and counted; one without is the shim's target gone."""
+    source = tmp_path / "fused_example.py"
+    decorator = "@torch.compile(backend='eager')\n" if compiles else ""  # eager: no C++ compiler needed
+    source.write_text(f"import torch\n\n{decorator}def double(x):\n    return 2 * x\n")
+    loader = importlib.machinery.SourceFileLoader("fused_example", str(source))
+    spec = importlib.util.spec_from_file_location("fused_example", source, loader=deferred_compile._DeferringLoader(loader))
+    module = importlib.util.module_from_spec(spec)
+    with caplog.at_level(logging.INFO, logger=deferred_compile.__name__):
+        spec.loader.exec_module(module)
+    assert module.__loader__ is loader and module.double(torch.ones(2)).tolist() == [2.0, 2.0]
+    if compiles:
+        assert "importing fused_example deferred 1 torch.compile calls" in caplog.text
+        assert deferred_compile.deferred_calls[-1] == "fused_example.double"
+    else:
+        assert "importing fused_example called no torch.compile; this shim has nothing left to do" in caplog.text
