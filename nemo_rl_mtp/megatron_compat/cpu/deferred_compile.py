@@ -93,6 +93,7 @@ class _DeferringLoader(importlib.abc.Loader):
         module.__loader__ = module.__spec__.loader = self.loader
         import torch
 
+        # megatron-core's import asks the same itself (dist_checkpointing/strategies/torch.py).
         if torch.cuda.is_available():
             self.loader.exec_module(module)
             return
