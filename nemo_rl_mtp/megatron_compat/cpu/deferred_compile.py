@@ -102,11 +102,11 @@ class _DeferringLoader(importlib.abc.Loader):
             self.loader.exec_module(module)
         if len(deferred_calls) > before:
             logger.info(
-                "deferred_compile: importing %s deferred %d torch.compile calls to their functions' first call",
+                "%s imported without torch's compiler on this CPU: %d torch.compile calls deferred to first use",
                 module.__name__, len(deferred_calls) - before,
             )  # fmt: skip
         else:
-            logger.warning("deferred_compile: importing %s called no torch.compile; this shim has nothing left to do", module.__name__)
+            logger.warning("importing %s called no torch.compile: deferred_compile has nothing left to do", module.__name__)
 
 
 class _FirstMegatronCoreImport(importlib.abc.MetaPathFinder):
