@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 from nemo_rl_mtp.megatron_compat.cpu import deferred_compile
 
@@ -43,8 +42,15 @@ def test_megatron_core_imported_after_the_package_does_not_import_torchs_compile
     assert report["loader"] == "SourceFileLoader", report  # the module keeps its own loader
 
 
+def compile_counter():
+    """torch's backend that counts the frames it compiles (imported here: TorchDynamo comes with it)."""
+    from torch._dynamo.testing import CompileCounter
+
+    return CompileCounter()
+
+
 def test_a_deferred_function_is_compiled_by_torch_compile_at_its_first_call_only():
-    backend = CompileCounter()
+    backend = compile_counter()
     with deferred_compile.torch_compile_deferred() as deferred:
 
         @torch.compile(backend=backend)
@@ -65,7 +71,7 @@ def test_modules_compile_at_once_and_torch_compile_is_put_back_after_an_error():
     real_compile = torch.compile
     with pytest.raises(RuntimeError, match="import failed"):
         with deferred_compile.torch_compile_deferred() as deferred:
-            compiled = torch.compile(torch.nn.Linear(2, 2), backend=CompileCounter())
+            compiled = torch.compile(torch.nn.Linear(2, 2), backend=compile_counter())
             assert hasattr(compiled, "_orig_mod") and deferred == []  # an OptimizedModule, as torch returns
             raise RuntimeError("import failed")
     assert torch.compile is real_compile
