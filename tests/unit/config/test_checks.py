@@ -4,14 +4,12 @@ line answers in about a second), and the pure rules agree with what megatron-cor
 from __future__ import annotations
 
 import importlib
-import json
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 
 from nemo_rl_mtp.config.checks import ConfigError, check_speculation_depth, split_hybrid_pattern
+from tests.support.fresh_process import json_report
 from tests.support.release_gates import on_this_release
 
 HEAVY = ("torch", "megatron", "ray", "transformers")
@@ -21,11 +19,8 @@ HEAVY_IMPORTED = f"sorted({{name.split('.')[0] for name in sys.modules}} & set({
 
 
 def _run(code: str) -> dict:
-    """``code`` in a fresh interpreter (a process of its own, so this test process's imports do not
-    count); it prints one JSON line."""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """``code`` in a fresh interpreter; it prints one JSON line."""
+    return json_report(code, timeout_s=300)
 
 
 def test_load_and_pure_checks_import_nothing_heavy_and_the_release_check_does():

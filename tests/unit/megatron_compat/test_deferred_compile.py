@@ -7,21 +7,21 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import json
 import logging
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from nemo_rl_mtp.megatron_compat.cpu import deferred_compile
+from tests.support.fresh_process import json_report
 
 # In a fresh process: the package, then megatron-core; what it imported and what was deferred.
 IMPORT_PROBE = """
 import json, sys
 import nemo_rl_mtp
 from nemo_rl_mtp.megatron_compat.cpu import deferred_compile
+from tests.support.fresh_process import json_report
 import megatron.core, megatron.core.models.gpt
 from megatron.core import jit
 compiler = [name for name in ("torch._dynamo", "torch._inductor.compile_fx") if name in sys.modules]
@@ -32,9 +32,7 @@ print(json.dumps({"compiler": compiler, "deferred": deferred_compile.deferred_ca
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shim acts only without CUDA")
 def test_megatron_core_imported_after_the_package_does_not_import_torchs_compiler():
-    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = json_report(IMPORT_PROBE)
     fusions = [name for name in report["deferred"] if name.startswith("megatron.core.fusions.")]
     assert report["compiler"] == [], f"megatron-core's import imported torch's compiler: {report}"
     assert fusions, f"megatron-core's import no longer calls torch.compile: deferred_compile can go ({report})"
