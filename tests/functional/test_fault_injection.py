@@ -156,21 +156,21 @@ def _steps_saved(checkpoints: Path) -> list[str]:
     return sorted(path.name for path in checkpoints.iterdir() if path.name.startswith("step_"))
 
 
-def test_kill_9_mid_run_and_during_a_save_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted):
-    """Killed mid-run, then its resumed run killed while it saves the final checkpoint (which the
-    next resume must not take), then resumed to the end. With sampled rollouts and dropout, so
-    that a resume which lost a random state would differ (shown by breaking the restore of the RNG
-    states: the losses after the resume then differ)."""
+def test_kill_9_mid_run_during_a_save_then_resume_gives_the_uninterrupted_metrics_bit_exactly(log_dir, uninterrupted):
+    """Killed while it saves the final checkpoint, mid-run for what resumes it: the step-2
+    checkpoint is the latest complete one, the partial step-4 one must not be taken, and the
+    metrics of steps 2 and 3 were already logged past the checkpoint. Then resumed to the end.
+    With sampled rollouts and dropout, so that a resume which lost a random state would differ
+    (shown by breaking the restore of the RNG states: the losses after the resume then differ)."""
     metrics = log_dir / "killed" / "metrics.jsonl"
     checkpoints = log_dir / "killed" / "checkpoints"
     command = _command(log_dir, "killed", *SAMPLED_WITH_DROPOUT)
-    _kill_when(command, lambda: metrics.is_file() and len(read_metrics(metrics)) >= STEPS - 1)
-    assert _steps_saved(checkpoints) and _steps_saved(checkpoints)[-1] < f"step_{STEPS:06d}"
     _kill_when(command, lambda: (checkpoints / f"step_{STEPS:06d}.partial").exists())
     assert _steps_saved(checkpoints) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}.partial"]
+    assert [row["step"] for row in read_metrics(metrics)] == list(range(STEPS))  # logged past the checkpoint
     resumed = _run(command)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming" in resumed.stderr
+    assert f"from {checkpoints / f'step_{STEPS - 2:06d}'} ({STEPS - 2} steps done)" in resumed.stderr
     rows = read_metrics(metrics)
     assert [row["step"] for row in rows] == list(range(STEPS))
     assert _comparable(rows) == _comparable(uninterrupted.metrics("uninterrupted_sampled"))  # MTP and rollout metrics included
