@@ -3,7 +3,9 @@ real JSONL / TensorBoard / offline wandb files."""
 
 from __future__ import annotations
 
+import logging
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -71,8 +73,8 @@ def runs(tmp_path_factory):
             "--config", str(POLICY_MOVES_RECIPE), "grpo.warmup_imitation_steps=2", "policy.mtp_frozen_during_rl=true", *quiet,
         ],  # fmt: skip
         # model_class=hybrid: the MoE recipe as a HybridModel (attention, MoE; the MTP layer likewise),
-        # sampled rollouts drafting one token.
-        "hybrid_moe": [*HYBRID_MOE, *one_draft, *quiet],
+        # sampled rollouts drafting one token; a checkpoint after its next-to-last step too.
+        "hybrid_moe": [*HYBRID_MOE, *one_draft, *quiet, f"checkpointing.save_period={STEPS - 1}"],
     }
     import ray
 
@@ -90,17 +92,45 @@ def runs(tmp_path_factory):
                 continue
             assert run_grpo(argv) == 0, name
             results[name] = log_dir / name
-        # The same hybrid run stopped after its next-to-last step and resumed from its checkpoint.
+        # The hybrid run resumed from its next-to-last step's checkpoint: its run directory copied
+        # without the final checkpoint (as if the run had died after the step's metrics but
+        # before saving it), then run again under the copy's name.
         if "hybrid_moe" in results.refused:
             results.refused["hybrid_moe_resumed"] = results.refused["hybrid_moe"]
         else:
-            for steps in (STEPS - 1, STEPS):
-                argv = [*SMALL, f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}", "logger.run_name=hybrid_moe_resumed", *configs["hybrid_moe"]]
-                assert run_grpo(argv) == 0, f"hybrid_moe_resumed, {steps} steps"
-            results["hybrid_moe_resumed"] = log_dir / "hybrid_moe_resumed"
+            resumed = log_dir / "hybrid_moe_resumed"
+            shutil.copytree(log_dir / "hybrid_moe", resumed)
+            shutil.rmtree(resumed / "checkpoints" / f"step_{STEPS:06d}")
+            argv = [*SMALL, f"grpo.max_num_steps={STEPS}", f"logger.log_dir={log_dir}", "logger.run_name=hybrid_moe_resumed", *configs["hybrid_moe"]]
+            with ResumeLog() as resume_log:
+                assert run_grpo(argv) == 0, "hybrid_moe_resumed"
+            assert f"from {resumed / 'checkpoints' / f'step_{STEPS - 1:06d}'} ({STEPS - 1} steps done)" in resume_log.text
+            results["hybrid_moe_resumed"] = resumed
         yield results
     finally:
         ray.shutdown()
+
+
+class ResumeLog(logging.Handler):
+    """The run module's log lines while in use (a module-scoped fixture has no ``caplog``)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.text = ""
+        self.logger = logging.getLogger("nemo_rl_mtp.grpo.run")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text += record.getMessage() + "\n"
+
+    def __enter__(self) -> "ResumeLog":
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
 
 
 def _mtp_keys(row: dict) -> set[str]:
