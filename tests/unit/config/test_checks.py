@@ -18,15 +18,10 @@ TOO_MANY_DRAFTS = ["policy.megatron_cfg.mtp_num_layers=1", "policy.generation.nu
 HEAVY_IMPORTED = f"sorted({{name.split('.')[0] for name in sys.modules}} & set({HEAVY!r}))"
 
 
-def _run(code: str) -> dict:
-    """``code`` in a fresh interpreter; it prints one JSON line."""
-    return json_report(code, timeout_s=300)
-
-
 def test_load_and_pure_checks_import_nothing_heavy_and_the_release_check_does():
     """Control: the same process, asked for the release's capabilities afterwards, has megatron
     imported, so the probe sees an import when one happens."""
-    seen = _run(
+    seen = json_report(
         "import json, sys\n"
         "from nemo_rl_mtp.config.load import ConfigError\n"
         "from nemo_rl_mtp.grpo.checked_config import check_installed_release, load_pure_checked_config\n"
@@ -43,7 +38,7 @@ def test_load_and_pure_checks_import_nothing_heavy_and_the_release_check_does():
 
 
 def test_the_command_line_refuses_before_any_heavy_import():
-    seen = _run(
+    seen = json_report(
         "import json, sys\n"
         "from nemo_rl_mtp.cli import main\n"
         f"status = main({TOO_MANY_DRAFTS!r})\n"
@@ -53,7 +48,7 @@ def test_the_command_line_refuses_before_any_heavy_import():
 
 
 def test_the_task_checks_import_only_config():
-    seen = _run(f"import json, sys\nimport nemo_rl_mtp.tasks.config_checks\nprint(json.dumps({HEAVY_IMPORTED}))\n")
+    seen = json_report(f"import json, sys\nimport nemo_rl_mtp.tasks.config_checks\nprint(json.dumps({HEAVY_IMPORTED}))\n")
     assert seen == []
 
 

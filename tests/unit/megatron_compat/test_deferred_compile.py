@@ -21,7 +21,6 @@ IMPORT_PROBE = """
 import json, sys
 import nemo_rl_mtp
 from nemo_rl_mtp.megatron_compat.cpu import deferred_compile
-from tests.support.fresh_process import json_report
 import megatron.core, megatron.core.models.gpt
 from megatron.core import jit
 compiler = [name for name in ("torch._dynamo", "torch._inductor.compile_fx") if name in sys.modules]
