@@ -8,8 +8,9 @@ Two patches, each probed by behaviour, idempotent, logged, and off where they ar
   TE needs CUDA. A fake ``transformer_engine`` in ``sys.modules`` would break megatron-core, which
   would then believe TE is installed. Instead, while ``megatron.bridge`` is first imported, that
   one module alone is shown a stand-in: inert classes for its annotations and isinstance checks
-  (LoRA on TE layers, which conversion never reaches). Applied only when importing the bridge
-  fails for want of ``transformer_engine``.
+  (LoRA on TE layers, which conversion never reaches). Active only where ``transformer_engine``
+  is not installed, and logged only where that module did import it: the bridge is imported with
+  the stand-in at once, as a failed import retried with it cost about 1.2 s more.
 * ``mtp_norm_alias``: ``MegatronMappingRegistry`` maps the TE-fused norm names
   (``self_attention.linear_qkv.layer_norm_weight``) onto the local spec's separate norms
   (``input_layernorm.weight``) only for patterns ending in ``*.<name>``; MTP patterns end in
@@ -24,6 +25,7 @@ import builtins
 import contextlib
 import importlib
 import importlib.metadata
+import importlib.util
 import logging
 import sys
 
@@ -39,26 +41,33 @@ def import_megatron_bridge():
     """``megatron.bridge`` with the patches this machine needs, each logged once."""
     if "megatron.bridge" in sys.modules and hasattr(sys.modules["megatron.bridge"], "AutoBridge"):
         return sys.modules["megatron.bridge"]
-    stand_in_used = False
     with root_logging_kept():
+        if importlib.util.find_spec("transformer_engine") is not None:
+            bridge, stand_in_shown = importlib.import_module("megatron.bridge"), False
+        else:
+            bridge, stand_in_shown = _import_with_te_stand_in()
+    if stand_in_shown:
+        logger.info("megatron-bridge: %s imports transformer_engine, which is absent; shown an inert stand-in (te_stand_in)", LORA_MODULE)
+    else:
+        logger.debug("megatron-bridge imported without the transformer_engine stand-in (te_stand_in not needed)")
+    apply_mtp_norm_alias()
+    return bridge
+
+
+def _import_with_te_stand_in():
+    """``megatron.bridge`` imported while :data:`LORA_MODULE` is shown the stand-in, and whether
+    that module asked for it. Loud where another module needs transformer_engine."""
+    with te_stand_in_for(LORA_MODULE) as stand_in:
         try:
             bridge = importlib.import_module("megatron.bridge")
         except ModuleNotFoundError as error:
             if not (error.name or "").startswith("transformer_engine"):
                 raise
-            try:
-                with te_stand_in_for(LORA_MODULE):
-                    bridge = importlib.import_module("megatron.bridge")
-            except ModuleNotFoundError as still:
-                raise RuntimeError(
-                    f"megatron-bridge imports {still.name} from a module other than {LORA_MODULE}, the one te_stand_in "
-                    "covers; this megatron-bridge release needs transformer_engine elsewhere"
-                ) from still
-            stand_in_used = True
-    if stand_in_used:
-        logger.info("megatron-bridge: %s imports transformer_engine, which is absent; shown an inert stand-in (te_stand_in)", LORA_MODULE)
-    apply_mtp_norm_alias()
-    return bridge
+            raise RuntimeError(
+                f"megatron-bridge imports {error.name} from a module other than {LORA_MODULE}, the one te_stand_in "
+                "covers; this megatron-bridge release needs transformer_engine elsewhere"
+            ) from error
+    return bridge, bool(stand_in.imports)
 
 
 def bridge_unavailable() -> str | None:
@@ -108,16 +117,27 @@ class _InertMeta(type):
         raise RuntimeError(f"{cls.__name__}: transformer_engine is not installed (megatron-bridge's TE LoRA path needs it)")
 
 
+class TEStandIn:
+    """What :func:`te_stand_in_for` shows: ``module``, the inert ``transformer_engine``, and
+    ``imports``, the names imported from it while active (none: the importer never asked)."""
+
+    def __init__(self) -> None:
+        self.module = _InertMeta("transformer_engine", (), {"__module__": "transformer_engine (stand-in)"})
+        self.imports: list[str] = []
+
+
 @contextlib.contextmanager
 def te_stand_in_for(importer: str):
     """While active, ``import transformer_engine...`` executed by module ``importer`` (and by no
-    other module) yields the inert stand-in; ``sys.modules`` is never touched."""
+    other module) yields the inert stand-in; ``sys.modules`` is never touched. Yields the
+    :class:`TEStandIn`."""
     original_import = builtins.__import__
-    stand_in = _InertMeta("transformer_engine", (), {"__module__": "transformer_engine (stand-in)"})
+    stand_in = TEStandIn()
 
     def scoped_import(name, globals=None, locals=None, fromlist=(), level=0):
         if level == 0 and name.split(".")[0] == "transformer_engine" and (globals or {}).get("__name__") == importer:
-            return stand_in
+            stand_in.imports.append(name)
+            return stand_in.module
         return original_import(name, globals, locals, fromlist, level)
 
     builtins.__import__ = scoped_import

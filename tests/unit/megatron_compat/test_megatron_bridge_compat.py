@@ -35,7 +35,7 @@ def test_the_stand_in_is_shown_to_the_named_importer_only():
     with compat.te_stand_in_for("some.importer") as stand_in:
         scope = {"__name__": "some.importer"}
         exec(statement, scope)
-        assert scope["te"] is stand_in.pytorch
+        assert scope["te"] is stand_in.module.pytorch and stand_in.imports == ["transformer_engine.pytorch"]
         with pytest.raises(ModuleNotFoundError):
             exec(statement, {"__name__": "another.module"})
     with pytest.raises(ModuleNotFoundError):
