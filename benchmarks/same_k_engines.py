@@ -1,0 +1,83 @@
+"""Engines at the same k, side by side: two fixed engines built one after the other, one rebuilt
+through a history of switches as auto's is, and auto itself once it has settled on that k. Asks
+whether auto's engine runs slower than a fixed engine at the k it chose (the rollout benchmark's
+"auto over the fixed engine at the k it ran", below 1 in some 8-layer trained cells), and whether
+two identical fixed engines differ as much.
+
+    uv run python -m benchmarks.same_k_engines [--new-tokens 512] [--rounds 8] [--k 2]
+        [--train-steps 60] [key=value overrides, e.g. policy.megatron_cfg.num_layers=8]
+
+Set-up as ``benchmarks/rollout_throughput.py`` (its config, counting prompts and imitation
+training of the heads, the end of sequence masked so every rollout does the same work), 32
+prompts, one torch thread; each rollout timed with the process's CPU time, the engines' order
+rotating each round. Prints each engine's tokens/s over the first fixed engine's, per round and
+their median, in markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import benchmarks.rollout_throughput as throughput
+from nemo_rl_mtp.rollout.engine import RolloutEngine
+
+BATCH = 32
+SWITCHES = (1, 0, 1, 2, 0)  # the rebuilt engine's history before it returns to --k (auto's warm-up switches as often)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--k", type=int, default=2, help="the k of the fixed engines, and the one auto should settle on")
+    parser.add_argument("--train-steps", type=int, default=60)
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args()
+    args.mtp_layers, args.train_batch, args.train_length = 2, 64, 128  # rollout_throughput's defaults
+
+    base = throughput.config(args, 0, max(args.new_tokens, args.train_length), args.train_batch)
+    policy = throughput.benchmark_policy(base)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(args.train_steps):
+        batch = throughput.demonstration_batch(*throughput.counting_task(args.train_batch, args.train_length, generator), throughput.TOKENIZER.pad_id)
+        throughput.imitation_step(policy, batch, base)
+
+    fixed = throughput.config(args, args.k, args.new_tokens, BATCH)
+    engines = {"fixed": RolloutEngine(policy, fixed), "fixed, built next": RolloutEngine(policy, fixed)}
+    rebuilt = RolloutEngine(policy, fixed)
+    for k in (*SWITCHES, args.k):
+        rebuilt.use_speculative_tokens(k)
+    engines["fixed, rebuilt"] = rebuilt
+    engines["auto"] = RolloutEngine(policy, throughput.config(args, "auto", args.new_tokens, BATCH))
+
+    prompts, _ = throughput.counting_task(BATCH, 1, torch.Generator().manual_seed(BATCH))
+    names, seconds, auto_ks = list(engines), {name: [] for name in engines}, []
+    eos, pad = throughput.TOKENIZER.eos_id, throughput.TOKENIZER.pad_id
+    with throughput.end_of_sequence_masked(policy):
+        for warm_up in range(args.mtp_layers + 1):  # auto's profile and first looks, as the benchmark's warm-up
+            engines["auto"].generate(prompts, eos, pad, seed=1000 + warm_up)
+        for name in names[:-1]:
+            engines[name].generate(prompts, eos, pad, seed=99)
+        for round_number in range(args.rounds):
+            shift = round_number % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = time.process_time()
+                output = engines[name].generate(prompts, eos, pad, seed=round_number)
+                seconds[name].append(time.process_time() - start)
+                if name == "auto":
+                    auto_ks.append(int(output["speculative_tokens"]))
+
+    print(f"\n{BATCH} prompts x {args.new_tokens} new tokens, k = {args.k}, {args.rounds} rounds, overrides {args.overrides or 'none'}; "
+          f"auto ran k = {'/'.join(map(str, auto_ks))}\n")  # fmt: skip
+    print("| engine | CPU s per rollout (median) | tokens/s over `fixed`, per round | median |\n|---|---|---|---|")
+    for name in names:
+        ratios = [reference / own for reference, own in zip(seconds["fixed"], seconds[name])]
+        print(f"| {name} | {statistics.median(seconds[name]):.2f} | {' '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
