@@ -219,8 +219,7 @@ def preflight_checks(cfg: MasterConfig) -> None:
     """What the config needs from this machine and the files it names (a local checkpoint, the
     JSONL data files), checked before any worker starts and before megatron-core is imported;
     raises ConfigError."""
-    import importlib.util
-
+    from nemo_rl_mtp.megatron_compat.installed import transformer_engine_installed
     from nemo_rl_mtp.tasks.jsonl_prompts import check_data_files
     from nemo_rl_mtp.training.hf_checkpoint import CheckpointError, check_reachable
 
@@ -243,7 +242,7 @@ def preflight_checks(cfg: MasterConfig) -> None:
         except CheckpointError as error:
             raise ConfigError(str(error)) from None
     check_data_files(cfg.data)
-    if cfg.policy.megatron_cfg.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+    if cfg.policy.megatron_cfg.transformer_impl == "transformer_engine" and not transformer_engine_installed():
         raise ConfigError(
             "policy.megatron_cfg.transformer_impl=transformer_engine, but transformer_engine is not installed "
             "(it needs CUDA); install it on the GPU nodes or use transformer_impl=auto"

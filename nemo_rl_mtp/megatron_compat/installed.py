@@ -1,9 +1,11 @@
-"""Which megatron-core is installed, from its package metadata: no megatron import, so the config
-checks and the driver's modules that name the release in a message stay light."""
+"""Which megatron-core is installed, from its package metadata, and whether transformer_engine is:
+no megatron or TE import, so the config checks and the driver's modules that name the release in a
+message stay light."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 
 
 def megatron_core_version() -> str:
@@ -13,3 +15,9 @@ def megatron_core_version() -> str:
         import megatron.core
 
         return getattr(megatron.core, "__version__", "unknown")
+
+
+def transformer_engine_installed() -> bool:
+    """Whether a ``transformer_engine`` package is there to import (found, not imported: TE
+    loads CUDA libraries at import)."""
+    return importlib.util.find_spec("transformer_engine") is not None

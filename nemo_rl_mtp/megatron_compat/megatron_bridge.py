@@ -25,11 +25,11 @@ import builtins
 import contextlib
 import importlib
 import importlib.metadata
-import importlib.util
 import logging
 import sys
 
 from nemo_rl_mtp.megatron_compat._marks import is_shim, mark_shim
+from nemo_rl_mtp.megatron_compat.installed import megatron_core_version, transformer_engine_installed
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def import_megatron_bridge():
     if "megatron.bridge" in sys.modules and hasattr(sys.modules["megatron.bridge"], "AutoBridge"):
         return sys.modules["megatron.bridge"]
     with root_logging_kept():
-        if importlib.util.find_spec("transformer_engine") is not None:
+        if transformer_engine_installed():
             bridge, stand_in_shown = importlib.import_module("megatron.bridge"), False
         else:
             bridge, stand_in_shown = _import_with_te_stand_in()
@@ -77,8 +77,6 @@ def bridge_unavailable() -> str | None:
     try:
         import_megatron_bridge()
     except ImportError as error:
-        from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
-
         return (
             f"megatron-bridge {importlib.metadata.version('megatron-bridge')} does not import on megatron-core "
             f"{megatron_core_version()} ({error})"

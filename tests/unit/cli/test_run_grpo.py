@@ -3,6 +3,7 @@ loads is the one its caller names, and the command runs from outside the checkou
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -98,3 +99,12 @@ def test_files_the_config_names_are_refused_before_megatron_is_imported(tmp_path
         assert status == EXIT_CONFIG_ERROR and len(errors) == 1 and expected in errors[0], (expected, errors)
     assert result["megatron"] is False
     assert (earlier / "metrics.jsonl").read_text() == '{"step": 0}\n'  # the refused --overwrite removed nothing
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="transformer_engine is installed here")
+def test_transformer_engine_asked_for_where_it_is_not_installed_is_refused_in_one_line(tmp_path, capsys, signal_handlers_restored):
+    status = main(["policy.megatron_cfg.transformer_impl=transformer_engine", "policy.sequence_packing.enabled=false", f"logger.log_dir={tmp_path}"])
+    error = capsys.readouterr().err.strip()
+    assert status == EXIT_CONFIG_ERROR
+    assert error.splitlines()[-1].startswith("config error: policy.megatron_cfg.transformer_impl=transformer_engine, but transformer_engine is not installed")
+    assert list(tmp_path.iterdir()) == []
