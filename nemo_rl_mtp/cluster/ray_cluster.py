@@ -228,26 +228,47 @@ class RayletWatch:
     """The raylets a start began, seen as they start, and the first to die before the start
     returned: Ray 2.60's raylet aborts when its dashboard agent has not written its ports within
     15 s (fixed; on a loaded machine the agent's imports take longer), and the driver then waits
-    for it as long as Ray's start-up waits allow (``cluster.start_timeout_s``) for nothing."""
+    for it as long as Ray's start-up waits allow (``cluster.start_timeout_s``) for nothing.
+
+    On a loaded machine this thread may first see a raylet as it exits, when its command line
+    (which names its stderr file) can no longer be read: the file is then found from the start's
+    session directory, which its GCS server's command line names."""
 
     def __init__(self, started: float):
         self.started = started
         self.seen: dict[int, tuple[psutil.Process, Optional[str]]] = {}  # pid -> (process, its stderr file)
+        self.session_dir: Optional[str] = None
 
     def death(self) -> Optional[str]:
-        """The stderr file (or "") of a raylet of this start that has exited; None while all live."""
+        """The stderr file (or "" where neither it nor the session is known) of a raylet of this
+        start that has exited; None while all live."""
         with contextlib.suppress(psutil.Error):
             for child in psutil.Process().children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    if child.pid not in self.seen and child.name() == "raylet" and child.create_time() >= self.started - 1:
-                        self.seen[child.pid] = (child, _flag(child.cmdline(), "--stderr_filepath"))
+                    if child.pid in self.seen or child.create_time() < self.started - 1:
+                        continue
+                    if child.name() == "raylet":
+                        self.seen[child.pid] = (child, _readable_flag(child, "--stderr_filepath"))
+                    elif self.session_dir is None:
+                        self.session_dir = _readable_flag(child, "--session-dir") or _readable_flag(child, "--session_dir")
         for process, stderr_file in self.seen.values():
             try:
                 if process.status() != psutil.STATUS_ZOMBIE:
                     continue
             except psutil.NoSuchProcess:
                 pass
+            if stderr_file is None and self.session_dir is not None:
+                stderr_file = str(Path(self.session_dir) / "logs" / "raylet.err")
             return stderr_file or ""
+        return None
+
+
+def _readable_flag(process: psutil.Process, name: str) -> Optional[str]:
+    """A flag's value on ``process``'s command line; None where it has none or the command line
+    cannot be read (empty, or an error, once the process is exiting)."""
+    try:
+        return _flag(process.cmdline(), name)
+    except psutil.Error:
         return None
 
 

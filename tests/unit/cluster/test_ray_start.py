@@ -186,6 +186,64 @@ def test_a_program_whose_raylet_dies_waiting_for_its_agent_starts_again_in_a_new
     assert left == [], [process.cmdline()[:2] for process in left]
 
 
+def _stand_in(tmp_path: Path, name: str, seconds: float, *flags: str) -> subprocess.Popen:
+    """A child process whose name is ``name`` (a script of that name: the kernel names a process
+    after the file it runs) with ``flags`` on its command line, living ``seconds``. Not reaped
+    until the test ends: it stays a zombie once it exits, as a raylet stays until Ray reaps it."""
+    script = tmp_path / name
+    script.write_text(f"#!/bin/sh\nsleep {seconds}\n")
+    script.chmod(0o755)
+    return subprocess.Popen([str(script), *flags])
+
+
+def _wait_until_zombie(process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 30
+    while psutil.Process(process.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the stand-in did not exit"
+        time.sleep(0.05)
+
+
+def test_a_raylet_first_seen_once_it_has_exited_is_reported_with_its_sessions_stderr_file(tmp_path):
+    """Under a load of 18 on 2 CPUs the watchdog first saw a raylet that had already died (its
+    command line, which names its stderr file, no longer readable) and reported it without its
+    reason, so the start was not made again. Its stderr file is then found from the session
+    directory on the GCS server's command line; the control, a raylet seen while it ran, is
+    reported with the file its own command line names."""
+    from nemo_rl_mtp.cluster.ray_cluster import RayletWatch
+
+    session = tmp_path / "session_2026-12-05_15-44-23_224107_17099"
+    (tmp_path / "control").mkdir()
+    processes = []
+    try:
+        watch = RayletWatch(time.time())
+        processes.append(_stand_in(tmp_path, "gcs_server", 60, f"--session-dir={session}"))
+        processes.append(_stand_in(tmp_path, "raylet", 0, f"--stderr_filepath={session}/logs/raylet.err"))
+        _wait_until_zombie(processes[-1])
+        assert _command_line(processes[-1]) == []  # what the watchdog saw
+        assert watch.death() == str(session / "logs" / "raylet.err")
+        processes[-1].wait()  # reaped: the control's watch must not see it
+
+        control = RayletWatch(time.time())
+        processes.append(_stand_in(tmp_path / "control", "raylet", 2, "--stderr_filepath=/elsewhere/raylet.err"))
+        deadline = time.monotonic() + 30
+        while processes[-1].pid not in control.seen:
+            assert control.death() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        _wait_until_zombie(processes[-1])
+        assert control.death() == "/elsewhere/raylet.err"
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def _command_line(process: subprocess.Popen) -> list[str]:
+    try:
+        return psutil.Process(process.pid).cmdline()
+    except psutil.Error:
+        return []
+
+
 def _names(process: psutil.Process, text: str) -> bool:
     try:
         return any(text in argument for argument in process.cmdline())
