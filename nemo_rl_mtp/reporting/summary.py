@@ -32,9 +32,10 @@ PER_DEPTH_FAMILIES = (
 # Validation accuracy must change by this much for the summary to say GRPO moved the policy: about
 # two standard errors of an accuracy near 0.5 measured on the default 128 held-out prompts.
 MOVED_ACCURACY = 0.09
-# Steps averaged at each end for the head's rollout acceptance: one step's few hundred drafts are
-# 2-3 points of noise.
-ACCEPTANCE_WINDOW = 10
+# Steps averaged at an end of the run for a per-step quantity measured on one step's samples: the
+# head's rollout acceptance (one step's few hundred drafts are 2-3 points of noise) and the KL to
+# the start of RL (one step's last value was 2.85 nats/token where the ten before it read 0.4-1.0).
+END_WINDOW = 10
 
 
 def run_summary(history: list[dict[str, float]], run_dir: Path, wall_s: float, figure: Path) -> str:
@@ -69,19 +70,20 @@ def _change(label: str, history: list[dict[str, float]], key: str, fmt: str) -> 
 
 def what_moved(history: list[dict[str, float]]) -> str:
     """One line saying what the run did: whether GRPO moved the policy (validation accuracy first
-    -> last, and the KL to the start of RL where it was logged), and where the MTP head's depth-1
-    rollout acceptance went (means of the first and the last ``ACCEPTANCE_WINDOW`` steps that
-    drafted; where only one did, that one and the trainer's forecast of the acceptance, first ->
-    last). '' for a run without validation."""
+    -> last, and the KL to the start of RL where it was logged, the mean of the last ``END_WINDOW``
+    steps), and where the MTP head's depth-1 rollout acceptance went (means of the first and the
+    last ``END_WINDOW`` steps that drafted; where only one did, that one and the trainer's forecast
+    of the acceptance, first -> last). '' for a run without validation."""
     accuracy = _first_last(history, in_scope(VALIDATION, ACCURACY))
     if accuracy is None:
         return ""
     first, last = accuracy
     verdict = "GRPO moved the policy" if abs(last - first) >= MOVED_ACCURACY else "GRPO hardly moved the policy"
     line = f"{verdict}: validation accuracy {first:.3f} -> {last:.3f} ({last - first:+.3f})"
-    kl = _first_last(history, in_scope(TRAIN, KL_TO_START))
-    if kl is not None:
-        line += f", KL to the start of RL {kl[1]:.2f} nats/token"
+    kl = [row[in_scope(TRAIN, KL_TO_START)] for row in history if in_scope(TRAIN, KL_TO_START) in row]
+    if kl:
+        window = max(1, min(END_WINDOW, len(kl) // 2))  # never reaching back to the start, where it is 0
+        line += f", KL to the start of RL {sum(kl[-window:]) / window:.2f} nats/token" + (f" (mean of the last {window} steps)" if window > 1 else "")
     drafted = [row[ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(1)] for row in history if ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(1) in row]
     if len(drafted) == 1:  # auto chose k = 0 at every other step: the trainer's forecast says where the head went
         line += f"; the MTP head's rollout acceptance {drafted[0]:.1f}% (only one rollout drafted)"
@@ -89,7 +91,7 @@ def what_moved(history: list[dict[str, float]]) -> str:
         if forecast is not None:
             line += f", its forecast from training {forecast[0]:.1f}% -> {forecast[1]:.1f}%"
     elif drafted:
-        window = max(1, min(ACCEPTANCE_WINDOW, len(drafted) // 2))  # the two ends never overlap
+        window = max(1, min(END_WINDOW, len(drafted) // 2))  # the two ends never overlap
         first, last = sum(drafted[:window]) / window, sum(drafted[-window:]) / window
         # auto may draft at a few steps only (its refreshes): say how many rollouts the ends are
         ends = ("the first and last" if window == 1 else f"means of the first and last {window}") + f" of {len(drafted)} rollouts that drafted"

@@ -81,6 +81,23 @@ def test_the_heads_acceptance_is_averaged_over_ten_steps_at_each_end():
     assert what_moved(history).endswith("the MTP head's rollout acceptance 80.0% -> 70.0% (means of the first and last 10 of 35 rollouts that drafted)")
 
 
+def test_the_kl_to_the_start_of_rl_is_the_mean_of_the_last_ten_steps():
+    """A fresh-clone run's last step read 2.85 nats/token where the ten before it read 0.4-1.0:
+    the line gives the mean of the last ten steps, and says so; the start, where the KL is 0 by
+    construction, is never averaged in (a short run takes the last half)."""
+    from nemo_rl_mtp.reporting.summary import what_moved
+
+    kl = [0.0] + [0.5] * 19 + [0.6] * 9 + [3.0]
+    history = [{"train/kl_to_start": value} for value in kl]
+    history[0]["val/accuracy"], history[-1]["val/accuracy"] = 0.3, 0.5
+    assert what_moved(history) == (
+        "GRPO moved the policy: validation accuracy 0.300 -> 0.500 (+0.200), KL to the start of RL 0.84 nats/token (mean of the last 10 steps)"
+    )
+    short = [{"train/kl_to_start": value} for value in (0.0, 0.2, 0.4, 0.6)]
+    short[0]["val/accuracy"], short[-1]["val/accuracy"] = 0.3, 0.5
+    assert what_moved(short).endswith("KL to the start of RL 0.50 nats/token (mean of the last 2 steps)")
+
+
 def test_a_run_that_drafted_once_says_so_and_gives_the_trainers_forecast_instead_of_first_to_last():
     """auto may run k = 0 at every step but one: one rollout's acceptance is no "first -> last".
     The summary says it drafted once and adds the trainer's forecast, first -> last; the
