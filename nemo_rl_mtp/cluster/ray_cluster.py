@@ -232,7 +232,8 @@ class RayletWatch:
 
     On a loaded machine this thread may first see a raylet as it exits, when its command line
     (which names its stderr file) can no longer be read: the file is then found from the start's
-    session directory, which its GCS server's command line names."""
+    session directory, which its GCS server's command line names. A raylet's own children, which
+    bear its name between their fork and their program, are not raylets."""
 
     def __init__(self, started: float):
         self.started = started
@@ -247,7 +248,7 @@ class RayletWatch:
                 with contextlib.suppress(psutil.Error):
                     if child.pid in self.seen or child.create_time() < self.started - 1:
                         continue
-                    if child.name() == "raylet":
+                    if child.name() == "raylet" and not _forked_by_a_raylet(child):
                         self.seen[child.pid] = (child, _readable_flag(child, "--stderr_filepath"))
                     elif self.session_dir is None:
                         self.session_dir = _readable_flag(child, "--session-dir") or _readable_flag(child, "--session_dir")
@@ -261,6 +262,14 @@ class RayletWatch:
                 stderr_file = str(Path(self.session_dir) / "logs" / "raylet.err")
             return stderr_file or ""
         return None
+
+
+def _forked_by_a_raylet(process: psutil.Process) -> bool:
+    """Whether ``process`` is a raylet's own child: forked, it bears the raylet's name until it
+    runs its program, and one that exits first (a zombie, its command line unreadable) must not
+    be taken for the raylet dying: a CI run's watchdog did, and stopped a live start."""
+    parent = process.parent()
+    return parent is not None and parent.name() == "raylet"
 
 
 def _readable_flag(process: psutil.Process, name: str) -> Optional[str]:

@@ -237,6 +237,43 @@ def test_a_raylet_first_seen_once_it_has_exited_is_reported_with_its_sessions_st
             process.wait()
 
 
+# A raylet stand-in that forks a child which exits at once, unreaped: a zombie that bears the
+# raylet's name (as a raylet's fork does until it runs its program), under a live raylet.
+FORKING_RAYLET = "import os, sys, time\nif os.fork() == 0:\n    os._exit(0)\ntime.sleep(float(sys.argv[1]))\n"
+
+
+def test_a_raylets_own_child_that_exits_is_not_taken_for_the_raylet_dying(tmp_path):
+    """The first version of the fix above took a zombie child of the raylet, bearing its name,
+    for the raylet dying, and stopped a live start (a CI run: "its raylet exited (no reason in its
+    log ...)", both its logs silent). Such a child is not a raylet; the raylet above it, once it
+    exits, is reported (the control)."""
+    from nemo_rl_mtp.cluster.ray_cluster import RayletWatch
+
+    session = tmp_path / "session"
+    script = tmp_path / "raylet"
+    script.write_text(f"#!{sys.executable}\n{FORKING_RAYLET}")
+    script.chmod(0o755)
+    watch = RayletWatch(time.time())
+    processes = [_stand_in(tmp_path, "gcs_server", 60, f"--session-dir={session}")]
+    processes.append(subprocess.Popen([str(script), "4", f"--stderr_filepath={session}/logs/raylet.err"]))
+    try:
+        deadline = time.monotonic() + 30
+        while not [child for child in psutil.Process(processes[-1].pid).children() if child.status() == psutil.STATUS_ZOMBIE]:
+            assert time.monotonic() < deadline, "the raylet stand-in's child did not exit"
+            time.sleep(0.05)
+        child = psutil.Process(processes[-1].pid).children()[0]
+        assert child.name() == "raylet" and psutil.Process(processes[-1].pid).name() == "raylet"
+        for _ in range(5):
+            assert watch.death() is None
+            time.sleep(0.05)
+        _wait_until_zombie(processes[-1])
+        assert watch.death() == f"{session}/logs/raylet.err"
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
 def _command_line(process: subprocess.Popen) -> list[str]:
     try:
         return psutil.Process(process.pid).cmdline()
