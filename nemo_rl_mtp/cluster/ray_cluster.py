@@ -251,7 +251,7 @@ class RayletWatch:
                     if child.name() == "raylet" and not _forked_by_a_raylet(child):
                         self.seen[child.pid] = (child, _readable_flag(child, "--stderr_filepath"))
                     elif self.session_dir is None:
-                        self.session_dir = _readable_flag(child, "--session-dir") or _readable_flag(child, "--session_dir")
+                        self.session_dir = _readable_flag(child, "--session-dir", "--session_dir")  # GCS's spelling, raylet's
         for process, stderr_file in self.seen.values():
             try:
                 if process.status() != psutil.STATUS_ZOMBIE:
@@ -272,13 +272,14 @@ def _forked_by_a_raylet(process: psutil.Process) -> bool:
     return parent is not None and parent.name() == "raylet"
 
 
-def _readable_flag(process: psutil.Process, name: str) -> Optional[str]:
-    """A flag's value on ``process``'s command line; None where it has none or the command line
-    cannot be read (empty, or an error, once the process is exiting)."""
+def _readable_flag(process: psutil.Process, *names: str) -> Optional[str]:
+    """The value of the first of ``names`` on ``process``'s command line; None where it has none
+    or the command line cannot be read (empty, or an error, once the process is exiting)."""
     try:
-        return _flag(process.cmdline(), name)
+        cmdline = process.cmdline()
     except psutil.Error:
         return None
+    return next((value for value in (_flag(cmdline, name) for name in names) if value is not None), None)
 
 
 def _flag(cmdline: list[str], name: str) -> Optional[str]:

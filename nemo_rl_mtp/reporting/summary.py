@@ -60,7 +60,7 @@ def _per_depth(key: str) -> bool:
 
 def _change(label: str, history: list[dict[str, float]], key: str, fmt: str) -> str:
     """``label: first -> last`` over the steps that logged ``key``; '' when none did."""
-    values = [row[key] for row in history if key in row]
+    values = _logged(history, key)
     if not values:
         return ""
     if len(values) == 1:  # one measurement is no change (auto may draft at one step only)
@@ -80,18 +80,18 @@ def what_moved(history: list[dict[str, float]]) -> str:
     first, last = accuracy
     verdict = "GRPO moved the policy" if abs(last - first) >= MOVED_ACCURACY else "GRPO hardly moved the policy"
     line = f"{verdict}: validation accuracy {first:.3f} -> {last:.3f} ({last - first:+.3f})"
-    kl = [row[in_scope(TRAIN, KL_TO_START)] for row in history if in_scope(TRAIN, KL_TO_START) in row]
+    kl = _logged(history, in_scope(TRAIN, KL_TO_START))
     if kl:
-        window = max(1, min(END_WINDOW, len(kl) // 2))  # never reaching back to the start, where it is 0
+        window = _end_window(len(kl))  # never reaching back to the start, where it is 0
         line += f", KL to the start of RL {sum(kl[-window:]) / window:.2f} nats/token" + (f" (mean of the last {window} steps)" if window > 1 else "")
-    drafted = [row[ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(1)] for row in history if ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(1) in row]
+    drafted = _logged(history, ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(1))
     if len(drafted) == 1:  # auto chose k = 0 at every other step: the trainer's forecast says where the head went
         line += f"; the MTP head's rollout acceptance {drafted[0]:.1f}% (only one rollout drafted)"
         forecast = _first_last(history, TRAIN_MTP_EXPECTED_ACCEPTANCE.key(1))
         if forecast is not None:
             line += f", its forecast from training {forecast[0]:.1f}% -> {forecast[1]:.1f}%"
     elif drafted:
-        window = max(1, min(END_WINDOW, len(drafted) // 2))  # the two ends never overlap
+        window = _end_window(len(drafted))  # the two ends never overlap
         first, last = sum(drafted[:window]) / window, sum(drafted[-window:]) / window
         # auto may draft at a few steps only (its refreshes): say how many rollouts the ends are
         ends = ("the first and last" if window == 1 else f"means of the first and last {window}") + f" of {len(drafted)} rollouts that drafted"
@@ -101,5 +101,16 @@ def what_moved(history: list[dict[str, float]]) -> str:
 
 def _first_last(history: list[dict[str, float]], key: str) -> tuple[float, float] | None:
     """The first and the last value of ``key`` over the steps that logged it."""
-    values = [row[key] for row in history if key in row]
+    values = _logged(history, key)
     return (values[0], values[-1]) if values else None
+
+
+def _logged(history: list[dict[str, float]], key: str) -> list[float]:
+    """The values of ``key`` over the steps that logged it, in order."""
+    return [row[key] for row in history if key in row]
+
+
+def _end_window(count: int) -> int:
+    """How many of ``count`` logged values an end of the run averages: ``END_WINDOW``, at most
+    half of them (so the two ends never overlap), at least one."""
+    return max(1, min(END_WINDOW, count // 2))
