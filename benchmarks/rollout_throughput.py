@@ -15,21 +15,25 @@ under every budget.
 Prints markdown: tokens/s against k = 0 per cell; where a decode step's time goes (trunk forward,
 drafts, verification, bookkeeping; attention over the KV caches shown apart); k = 0's tokens/s
 with the same responses under growing budgets; the drafts' cost per step against the response
-length; the MTP caches' memory. Every variant runs ``--repeats`` times, interleaved, and reports
-its median; auto first runs mtp_layers + 1 rollouts untimed (its profile of step costs and its
-measurement of close candidates, done once per batch size in a training run). ``--clock cpu`` times with the process's CPU time instead of the wall
-clock (the breakdown too; both clocks' ratios are printed): on a machine shared with other jobs
-their load lands on whichever variant runs while they do, and the CPU time leaves it out.
-``--beside-load`` runs a second CPU-bound process beside the whole benchmark (a one-thread
-matmul loop), as another job on a shared machine would; the output says so. The line after the
-first table gives auto's worst cell against k = 0 and against the best fixed k, from the
-medians and paired: the median over repeats of auto's tokens/s over the other variant's in the
-same repeat (the variants' order rotates from repeat to repeat), which a load drifting over
-minutes does not bias, with its lowest and highest (an interval of the median: 94% at 5
-repeats). Beside the variants runs an A/A control, a second k = 0 engine doing the same work as
-the first: how far its paired ratio strays from 1 is what measurement error alone does to a
-ratio in this run, the yardstick for auto's. Last, auto's choices alone: the k of its timed runs
-valued at the fixed engines' medians, what its decisions are worth apart from its own timing.
+length; the MTP caches' memory. Every variant runs ``--repeats`` times and reports its median.
+In a repeat the variants run in turn, one engine step each, each timed over its own steps (auto's
+choice of k and its engine's switches included), so a drift of the machine's speed falls on all
+of them alike (until 2026-12-05 each ran its whole rollout in turn, and two identical engines'
+ratio moved by 5% from repeat to repeat, against 0.4% stepped in turn: ``same_k_engines``).
+Auto first runs mtp_layers + 1 rollouts untimed (its profile of step costs and its measurement of
+close candidates, done once per batch size in a training run). ``--clock cpu`` times with the
+process's CPU time instead of the wall clock (the breakdown too; both clocks' ratios are
+printed): on a machine shared with other jobs their load lands on whichever variant runs while
+they do, and the CPU time leaves it out. ``--beside-load`` runs a second CPU-bound process beside
+the whole benchmark (a one-thread matmul loop), as another job on a shared machine would; the
+output says so. The line after the first table gives auto's worst cell against k = 0 and against
+the best fixed k, from the medians and paired: the median over repeats of auto's tokens/s over
+the other variant's in the same repeat (the variants' order rotates from repeat to repeat), with
+its lowest and highest (an interval of the median: 94% at 5 repeats). Beside the variants runs an
+A/A control, a second k = 0 engine doing the same work as the first: how far its paired ratio
+strays from 1 is what measurement error alone does to a ratio in this run, the yardstick for
+auto's. Last, auto's choices alone: the k of its timed runs valued at the fixed engines' medians,
+what its decisions are worth apart from its own timing.
 """
 
 from __future__ import annotations
@@ -198,27 +202,42 @@ class Variant:
         self.times = {name: [] for name in CLOCKS}
         self.phases, self.output, self.instrumented = StepPhases(), None, None
         self.chosen = []  # auto: the k of each timed run
+        self.rollout, self.elapsed, self.timed, self.phases_before = None, None, True, None
 
-    def run(self, prompts, seed: int, phases_of: dict, timed: bool = True, responses_end: bool = False) -> None:
+    def begin(self, prompts, seed: int, timed: bool) -> None:
+        """A rollout to step: auto chooses its k here (and may rebuild its engine); timed."""
+        self.timed, self.elapsed = timed, dict.fromkeys(CLOCKS, 0.0)
+        self.phases_before = (self.phases.steps, collections.Counter(self.phases.seconds))
+        self.rollout = self._timed(self.rollout_engine.begin, prompts, TOKENIZER.eos_id, TOKENIZER.pad_id, seed)
         if self.instrumented is not self.rollout_engine.engine:  # auto rebuilds its engine
             self.phases.instrument(self.rollout_engine.engine)
             self.instrumented = self.rollout_engine.engine
-        phases_of["current"] = self.phases if timed else None
-        steps_before = self.phases.steps
-        seconds_before = collections.Counter(self.phases.seconds)
-        policy = self.rollout_engine.policy
-        with contextlib.nullcontext() if responses_end else end_of_sequence_masked(policy):
-            start = {name: read() for name, read in CLOCKS.items()}
-            self.output = self.rollout_engine.generate(prompts, TOKENIZER.eos_id, TOKENIZER.pad_id, seed)
-            elapsed = {name: read() - start[name] for name, read in CLOCKS.items()}
-        phases_of["current"] = None
-        if timed:
-            for name, seconds in elapsed.items():
+
+    def step(self, phases_of: dict) -> bool:
+        """One engine step of the rollout, timed; whether it has more."""
+        phases_of["current"] = self.phases if self.timed else None
+        try:
+            return self._timed(self.rollout.step)
+        finally:
+            phases_of["current"] = None
+
+    def finish(self) -> None:
+        self.output = self._timed(self.rollout.finish)
+        if self.timed:
+            for name, seconds in self.elapsed.items():
                 self.times[name].append(seconds)
             if "speculative_tokens" in self.output:
                 self.chosen.append(int(self.output["speculative_tokens"]))
         else:  # untimed runs leave no trace in the phases
-            self.phases.steps, self.phases.seconds = steps_before, seconds_before
+            self.phases.steps, self.phases.seconds = self.phases_before
+
+    def _timed(self, function, *args):
+        start = {name: read() for name, read in CLOCKS.items()}
+        try:
+            return function(*args)
+        finally:
+            for name, read in CLOCKS.items():
+                self.elapsed[name] += read() - start[name]
 
     @property
     def tokens(self) -> int:
@@ -258,11 +277,10 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
     variants.append(Variant(CONTROL, RolloutEngine(policy, config(args, 0, new_tokens, batch))))
     prompts, _ = counting_task(batch, 1, torch.Generator().manual_seed(batch))
     for warm_up in range(args.mtp_layers + 1):
-        auto.run(prompts, seed=1000 + warm_up, phases_of=phases_of, timed=False)
+        run_in_turn([auto], prompts, 1000 + warm_up, phases_of, timed=False)
     for repeat in range(args.repeats):
         shift = repeat % len(variants)  # each variant's place in the order rotates
-        for variant in variants[shift:] + variants[:shift]:
-            variant.run(prompts, seed=repeat, phases_of=phases_of)
+        run_in_turn(variants[shift:] + variants[:shift], prompts, repeat, phases_of)
     memory = kv_memory(variants[args.mtp_layers].rollout_engine.engine)
     result = {"heads": heads, "new_tokens": new_tokens, "batch": batch, "variants": variants, "memory": memory}
     print(f"  {heads} heads, {new_tokens} new tokens, {batch} prompts: "
@@ -271,6 +289,24 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
           + f"; auto over the fixed engine at the k it ran, per repeat: {' '.join(f'{r:.2f}' for r in same_k_ratios(auto, variants))}",
           flush=True)  # fmt: skip
     return result
+
+
+def run_in_turn(variants: list[Variant], prompts, seed: int, phases_of: dict, timed: bool = True, responses_end: bool = False) -> None:
+    """Every variant's rollout of ``prompts`` with ``seed``, one engine step each in turn (in the
+    order given) until all have finished, each variant timed over its own steps alone (its choice
+    of k and start included). The machine's speed drifts over seconds (on a 2-core VM two identical
+    engines' whole rollouts run one after the other differed by 5%, the standard deviation of
+    their ratio over 8 rounds, and by 0.4% stepped in turn): in turn, every variant runs through
+    the same drift."""
+    policy = variants[0].rollout_engine.policy
+    with contextlib.nullcontext() if responses_end else end_of_sequence_masked(policy), variants[0].rollout_engine.sampling_session():
+        for variant in variants:
+            variant.begin(prompts, seed, timed)
+        stepping = list(variants)
+        while stepping:
+            stepping = [variant for variant in stepping if variant.step(phases_of)]
+        for variant in variants:
+            variant.finish()
 
 
 def same_k_ratios(auto: Variant, variants: list[Variant]) -> list[float]:
@@ -384,8 +420,7 @@ def same_responses(policy, args, phases_of: dict) -> str:
     variants = [Variant(f"{new_tokens}", RolloutEngine(policy, config(args, 0, new_tokens, batch))) for new_tokens in args.new_tokens]
     prompts, _ = counting_task(batch, 1, torch.Generator().manual_seed(batch))
     for repeat in range(max(args.repeats, 9)):
-        for variant in variants:
-            variant.run(prompts, seed=repeat, phases_of=phases_of, responses_end=True)
+        run_in_turn(variants, prompts, repeat, phases_of, responses_end=True)
     same = all(torch.equal(variants[0].output["tokens"], variant.output["tokens"]) for variant in variants[1:])
     mean_length = variants[0].tokens / batch
     header = "| prompts | response tokens (mean) | " + " | ".join(f"{v.name} new tokens" for v in variants) + " | same responses |"
@@ -499,7 +534,7 @@ def run_benchmark(args) -> None:
     policy = benchmark_policy(base)
     phases_of = {}
     attention_timers(phases_of)
-    print(f"{torch.get_num_threads()} torch thread(s); median of {args.repeats} interleaved runs per variant; {args.clock} clock", flush=True)
+    print(f"{torch.get_num_threads()} torch thread(s); median of {args.repeats} runs per variant, the variants stepped in turn; {args.clock} clock", flush=True)
 
     budgets = same_responses(policy, args, phases_of)
     cells = []

@@ -1,24 +1,25 @@
 """Engines at the same k, side by side: two fixed engines built one after the other, one rebuilt
-through a history of switches as auto's is, and auto itself once it has settled on that k. Asks
-whether auto's engine runs slower than a fixed engine at the k it chose (the rollout benchmark's
-"auto over the fixed engine at the k it ran", below 1 in some 8-layer trained cells), and whether
-two identical fixed engines differ as much.
+through a history of switches as auto's is, and auto itself once it has settled on that k, their
+rollouts run first one after the other (whole rollouts in rotating order, as the rollout benchmark
+ran them until 2026-12-05) and then in turn, one engine step each (as it runs them now). Asks
+whether auto's engine runs slower than a fixed engine at the k it chose, whether two identical
+fixed engines differ, and how much of what a comparison of whole rollouts shows is the machine's
+speed drifting between them.
 
     uv run python -m benchmarks.same_k_engines [--new-tokens 512] [--rounds 8] [--k 2]
         [--train-steps 60] [key=value overrides, e.g. policy.megatron_cfg.num_layers=8]
 
 Set-up as ``benchmarks/rollout_throughput.py`` (its config, counting prompts and imitation
 training of the heads, the end of sequence masked so every rollout does the same work), 32
-prompts, one torch thread; each rollout timed with the process's CPU time, the engines' order
-rotating each round. Prints each engine's tokens/s over the first fixed engine's, per round and
-their median, in markdown.
+prompts, one torch thread; each rollout timed with the process's CPU time over its own steps,
+the engines' order rotating each round. Prints, per way of running, each engine's tokens/s over
+the first fixed engine's, per round, their median and their standard deviation, in markdown.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -55,28 +56,35 @@ def main() -> None:
     engines["auto"] = RolloutEngine(policy, throughput.config(args, "auto", args.new_tokens, BATCH))
 
     prompts, _ = throughput.counting_task(BATCH, 1, torch.Generator().manual_seed(BATCH))
-    names, seconds, auto_ks = list(engines), {name: [] for name in engines}, []
-    eos, pad = throughput.TOKENIZER.eos_id, throughput.TOKENIZER.pad_id
-    with throughput.end_of_sequence_masked(policy):
-        for warm_up in range(args.mtp_layers + 1):  # auto's profile and first looks, as the benchmark's warm-up
-            engines["auto"].generate(prompts, eos, pad, seed=1000 + warm_up)
-        for name in names[:-1]:
-            engines[name].generate(prompts, eos, pad, seed=99)
-        for round_number in range(args.rounds):
-            shift = round_number % len(names)
-            for name in names[shift:] + names[:shift]:
-                start = time.process_time()
-                output = engines[name].generate(prompts, eos, pad, seed=round_number)
-                seconds[name].append(time.process_time() - start)
-                if name == "auto":
-                    auto_ks.append(int(output["speculative_tokens"]))
+    throughput.CLOCK_NAME[0] = "cpu"
+    phases_of = {}
+    for warm_up in range(args.mtp_layers + 1):  # auto's profile and first looks, as the benchmark's warm-up
+        throughput.run_in_turn([throughput.Variant("auto", engines["auto"])], prompts, 1000 + warm_up, phases_of, timed=False)
+    for name in list(engines)[:-1]:
+        throughput.run_in_turn([throughput.Variant(name, engines[name])], prompts, 99, phases_of, timed=False)
 
-    print(f"\n{BATCH} prompts x {args.new_tokens} new tokens, k = {args.k}, {args.rounds} rounds, overrides {args.overrides or 'none'}; "
-          f"auto ran k = {'/'.join(map(str, auto_ks))}\n")  # fmt: skip
-    print("| engine | CPU s per rollout (median) | tokens/s over `fixed`, per round | median |\n|---|---|---|---|")
-    for name in names:
-        ratios = [reference / own for reference, own in zip(seconds["fixed"], seconds[name])]
-        print(f"| {name} | {statistics.median(seconds[name]):.2f} | {' '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.3f} |")
+    for mode in ("one after the other", "in turn"):
+        variants = [throughput.Variant(name, engine) for name, engine in engines.items()]
+        for round_number in range(args.rounds):
+            shift = round_number % len(variants)
+            order = variants[shift:] + variants[:shift]
+            if mode == "in turn":
+                throughput.run_in_turn(order, prompts, round_number, phases_of)
+            else:
+                for variant in order:
+                    throughput.run_in_turn([variant], prompts, round_number, phases_of)
+        print_table(mode, variants, args)
+
+
+def print_table(mode: str, variants: list, args) -> None:
+    auto = variants[-1]
+    print(f"\n{BATCH} prompts x {args.new_tokens} new tokens, k = {args.k}, {args.rounds} rounds, rollouts {mode}, "
+          f"overrides {args.overrides or 'none'}; auto ran k = {'/'.join(map(str, auto.chosen))}\n")  # fmt: skip
+    print("| engine | CPU s per rollout (median) | tokens/s over `fixed`, per round | median | standard deviation |\n|---|---|---|---|---|")
+    for variant in variants:
+        ratios = variant.paired_ratios(variants[0])
+        print(f"| {variant.name} | {statistics.median(variant.times['cpu']):.2f} | {' '.join(f'{r:.3f}' for r in ratios)} | "
+              f"{statistics.median(ratios):.3f} | {statistics.stdev(ratios):.3f} |")
 
 
 if __name__ == "__main__":

@@ -77,24 +77,17 @@ class RolloutEngine:
         ``engine_tokens_per_s`` [] (what the choice expected, what the engine delivered; per second
         of the clock auto measures with, ``auto_k.step_clock``).
         """
-        params = self.sampling_params(eos_id, greedy)
-        clock = auto_k.step_clock()
         with self.sampling_session():
-            choice = auto_k.choose(self, prompts, params, greedy) if self.adaptive is not None else None
-            start = clock()
-            responses, decode_steps = self.run(prompts, params, seed)
-            seconds = clock() - start
-        rollouts = right_padded_rollouts(prompts, responses, eos_id, pad_id)
-        rollouts[DECODE_STEPS] = torch.tensor(decode_steps)
-        rollouts.update(speculation_counts(self.engine))
-        if choice is not None:
-            rollouts.update(auto_k.record(self.adaptive, choice, rollouts, greedy, seconds))
-        return rollouts
+            rollout = self.begin(prompts, eos_id, pad_id, seed, greedy)
+            while rollout.step():
+                pass
+        return rollout.finish()
 
-    def run(self, prompts: list[list[int]], params, seed: int) -> tuple[list, int]:
-        """The engine, reset and reseeded, on ``prompts`` to completion (inside a sampling session)."""
-        self.start(prompts, seed)
-        return run_to_completion(self.engine, prompts, params)
+    def begin(self, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int, greedy: bool = False) -> "Rollout":
+        """:meth:`generate` one engine step at a time, for a caller inside :meth:`sampling_session`
+        that steps several engines over one policy in turn (``benchmarks/rollout_throughput.py``
+        compares engines that way). ``auto`` chooses its k here."""
+        return Rollout(self, prompts, eos_id, pad_id, seed, greedy)
 
     def start(self, prompts: list[list[int]], seed: int) -> None:
         self.engine.reset()
@@ -310,19 +303,51 @@ def policy_sampling_distribution(model, temperature: float, vocab_size: int):
         handle.remove()
 
 
-def run_to_completion(engine, prompts: list[list[int]], sampling_params) -> tuple[list, int]:
-    """Add every prompt, step the engine until all requests finish; returns the finished
-    requests in prompt order and the number of engine steps (forward passes)."""
-    for request_id, prompt in enumerate(prompts):
-        engine.add_request(request_id, prompt, sampling_params)
-    finished, steps = [], 0
-    while engine.has_unfinished_requests():
-        finished.extend(engine.step_modern()["finished_request_records"])
-        steps += 1
-    finished.sort(key=lambda record: record.request_id)
-    responses = [record.merge() for record in finished]
-    _raise_on_failed_requests(responses, engine.context.max_sequence_length)
-    return responses, steps
+class Rollout:
+    """One rollout of a :class:`RolloutEngine`, stepped by its caller inside the engine's sampling
+    session: made, it has chosen k (``auto``) and added every prompt; :meth:`step` runs one engine
+    step; :meth:`finish` returns what :meth:`RolloutEngine.generate` returns.
+
+    Its seconds, what ``auto`` learns from, are the sum of its own steps' (adding the requests
+    included), on ``auto_k.step_clock``: several engines stepped in turn each count their own work
+    only. Stepped so, engines share every drift of the machine's speed: on a 2-core VM two
+    identical engines' whole rollouts run one after the other differed by 5% (standard deviation
+    of their ratio over 8 rounds) and in turn step by step by 0.4%."""
+
+    def __init__(self, rollout_engine: RolloutEngine, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int, greedy: bool):
+        self.rollout_engine, self.prompts, self.eos_id, self.pad_id, self.greedy = rollout_engine, prompts, eos_id, pad_id, greedy
+        params = rollout_engine.sampling_params(eos_id, greedy)
+        self.choice = auto_k.choose(rollout_engine, prompts, params, greedy) if rollout_engine.adaptive is not None else None
+        self.clock = auto_k.step_clock()
+        self.seconds, self.steps, self.finished = 0.0, 0, []
+        start = self.clock()
+        rollout_engine.start(prompts, seed)
+        for request_id, prompt in enumerate(prompts):
+            rollout_engine.engine.add_request(request_id, prompt, params)
+        self.seconds += self.clock() - start
+
+    def step(self) -> bool:
+        """One engine step (none if every request has finished); whether requests remain."""
+        engine = self.rollout_engine.engine
+        if engine.has_unfinished_requests():
+            start = self.clock()
+            self.finished.extend(engine.step_modern()["finished_request_records"])
+            self.seconds += self.clock() - start
+            self.steps += 1
+        return engine.has_unfinished_requests()
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The finished requests in prompt order as :func:`right_padded_rollouts`, with the engine
+        steps (forward passes), the speculation counts and ``auto``'s record (:meth:`RolloutEngine.generate`)."""
+        engine = self.rollout_engine.engine
+        responses = [record.merge() for record in sorted(self.finished, key=lambda record: record.request_id)]
+        _raise_on_failed_requests(responses, engine.context.max_sequence_length)
+        rollouts = right_padded_rollouts(self.prompts, responses, self.eos_id, self.pad_id)
+        rollouts[DECODE_STEPS] = torch.tensor(self.steps)
+        rollouts.update(speculation_counts(engine))
+        if self.choice is not None:
+            rollouts.update(auto_k.record(self.rollout_engine.adaptive, self.choice, rollouts, self.greedy, self.seconds))
+        return rollouts
 
 
 def _raise_on_failed_requests(responses: list, max_sequence_length: int) -> None:

@@ -283,3 +283,30 @@ def test_trainer_forecast_of_acceptance_matches_the_rollouts_rejection_sampling(
     standard_error = 100.0 * math.sqrt(measured / 100 * (1 - measured / 100) / drafts)
     print(f"T={temperature}: measured {measured:.1f}% of {drafts} drafts, forecast {forecast:.1f}%, 4 SE = {4 * standard_error:.1f}")
     assert abs(forecast - measured) < 4 * standard_error
+
+
+def test_engines_stepped_in_turn_give_each_the_rollouts_it_gives_alone():
+    """Three engines over one policy (k = 0, the deepest k the release drafts, auto), stepped one
+    engine step each in turn inside one sampling session, as the rollout benchmark steps the
+    engines it compares: each returns what a fixed engine at its k returns alone with the same
+    seed (tokens, log-probs, drafts proposed and accepted; for auto, at the k it chose), so nothing
+    of one engine's step reaches another's. Sampled at temperature 1, so a draw taken from the
+    wrong generator would show."""
+    policy, _, _ = _policy(0)
+    deepest = drafts_where_possible(2)
+    engines = [RolloutEngine(policy, tiny_config(**engine_overrides(k)).policy) for k in (0, deepest, "auto")]
+    with engines[0].sampling_session():
+        rollouts = [engine.begin(PROMPTS, TOKENIZER.eos_id, TOKENIZER.pad_id, seed=11) for engine in engines]
+        stepping = list(rollouts)
+        while stepping:
+            stepping = [rollout for rollout in stepping if rollout.step()]
+    in_turn = [rollout.finish() for rollout in rollouts]
+    ks = [0, deepest, int(in_turn[2].get("speculative_tokens", 0))]
+    alone = [RolloutEngine(policy, tiny_config(**engine_overrides(k)).policy).generate(PROMPTS, TOKENIZER.eos_id, TOKENIZER.pad_id, seed=11) for k in ks]
+    assert min(int(rollout["decode_steps"]) for rollout in alone) > 3
+    for single, stepped in zip(alone, in_turn):
+        for key in ("tokens", "lengths", "logprobs", "decode_steps", "draft_proposed", "draft_accepted"):
+            assert torch.equal(stepped[key], single[key]), key
+    if deepest:
+        assert int(alone[1]["draft_proposed"][0]) > 0
+        assert not torch.equal(alone[0]["logprobs"], alone[1]["logprobs"])  # the engines' rollouts do differ
