@@ -21,7 +21,7 @@ choice of k and its engine's switches included), so a drift of the machine's spe
 of them alike (until 2026-12-05 each ran its whole rollout in turn, and two identical engines'
 ratio moved by 5% from repeat to repeat, against 0.4% stepped in turn: ``same_k_engines``).
 Auto first runs mtp_layers + 1 rollouts untimed (its profile of step costs and its measurement of
-close candidates, done once per batch size in a training run). ``--clock cpu`` times with the
+close candidates, done once per batch size in a training run), the fixed variants one. ``--clock cpu`` times with the
 process's CPU time instead of the wall clock (the breakdown too; both clocks' ratios are
 printed): on a machine shared with other jobs their load lands on whichever variant runs while
 they do, and the CPU time leaves it out. ``--beside-load`` runs a second CPU-bound process beside
@@ -54,6 +54,7 @@ from nemo_rl_mtp.tasks.demonstrations import demonstration_batch  # noqa: E402
 from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer  # noqa: E402
 from nemo_rl_mtp.rollout import incremental_drafts  # noqa: E402
 from nemo_rl_mtp.rollout.engine import RolloutEngine, kv_memory  # noqa: E402
+from nemo_rl_mtp.metrics import DECODE_STEPS  # noqa: E402
 from nemo_rl_mtp.rollout.speculation import speculation_metrics  # noqa: E402
 from nemo_rl_mtp.megatron_compat.cpu import paged_attention  # noqa: E402
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
@@ -204,6 +205,13 @@ class Variant:
         self.chosen = []  # auto: the k of each timed run
         self.rollout, self.elapsed, self.timed, self.phases_before = None, None, True, None
 
+    @property
+    def progress(self) -> float:
+        """How far the current rollout is: its steps over the previous rollout's (its steps alone
+        before there was one)."""
+        previous = int(self.output[DECODE_STEPS]) if self.output is not None else 1
+        return self.rollout.steps / max(previous, 1)
+
     def begin(self, prompts, seed: int, timed: bool) -> None:
         """A rollout to step: auto chooses its k here (and may rebuild its engine); timed."""
         self.timed, self.elapsed = timed, dict.fromkeys(CLOCKS, 0.0)
@@ -278,6 +286,7 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
     prompts, _ = counting_task(batch, 1, torch.Generator().manual_seed(batch))
     for warm_up in range(args.mtp_layers + 1):
         run_in_turn([auto], prompts, 1000 + warm_up, phases_of, timed=False)
+    run_in_turn([variant for variant in variants if variant is not auto], prompts, 999, phases_of, timed=False)  # their first
     for repeat in range(args.repeats):
         shift = repeat % len(variants)  # each variant's place in the order rotates
         run_in_turn(variants[shift:] + variants[:shift], prompts, repeat, phases_of)
@@ -292,19 +301,21 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
 
 
 def run_in_turn(variants: list[Variant], prompts, seed: int, phases_of: dict, timed: bool = True, responses_end: bool = False) -> None:
-    """Every variant's rollout of ``prompts`` with ``seed``, one engine step each in turn (in the
-    order given) until all have finished, each variant timed over its own steps alone (its choice
-    of k and start included). The machine's speed drifts over seconds (on a 2-core VM two identical
-    engines' whole rollouts run one after the other differed by 5%, the standard deviation of
-    their ratio over 8 rounds, and by 0.4% stepped in turn): in turn, every variant runs through
-    the same drift."""
+    """Every variant's rollout of ``prompts`` with ``seed``, stepped in turn until all have
+    finished, the one least far along (:attr:`Variant.progress`) next, so that they finish
+    together; each variant is timed over its own steps alone (its choice of k and start
+    included). The machine's speed drifts over seconds (on a 2-core VM two identical engines' whole
+    rollouts run one after the other differed by 5-14%, the standard deviation of their ratio over
+    8 rounds, and by 0.4% stepped in turn): in turn, every variant runs through the same drift."""
     policy = variants[0].rollout_engine.policy
     with contextlib.nullcontext() if responses_end else end_of_sequence_masked(policy), variants[0].rollout_engine.sampling_session():
         for variant in variants:
             variant.begin(prompts, seed, timed)
         stepping = list(variants)
         while stepping:
-            stepping = [variant for variant in stepping if variant.step(phases_of)]
+            variant = min(stepping, key=lambda candidate: candidate.progress)  # the first of equals: the order given
+            if not variant.step(phases_of):
+                stepping.remove(variant)
         for variant in variants:
             variant.finish()
 
