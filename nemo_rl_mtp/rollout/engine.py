@@ -311,8 +311,8 @@ class Rollout:
     Its seconds, what ``auto`` learns from, are the sum of its own steps' (adding the requests
     included), on ``auto_k.step_clock``: several engines stepped in turn each count their own work
     only. Stepped so, engines share every drift of the machine's speed: on a 2-core VM two
-    identical engines' whole rollouts run one after the other differed by 5% (standard deviation
-    of their ratio over 8 rounds) and in turn step by step by 0.4%."""
+    identical engines' whole rollouts run one after the other differed by 5-14% (the standard
+    deviation of their ratio over 8 rounds), stepped in turn by 0.4%."""
 
     def __init__(self, rollout_engine: RolloutEngine, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int, greedy: bool):
         self.rollout_engine, self.prompts, self.eos_id, self.pad_id, self.greedy = rollout_engine, prompts, eos_id, pad_id, greedy
