@@ -16,12 +16,13 @@ Prints markdown: tokens/s against k = 0 per cell; where a decode step's time goe
 drafts, verification, bookkeeping; attention over the KV caches shown apart); k = 0's tokens/s
 with the same responses under growing budgets; the drafts' cost per step against the response
 length; the MTP caches' memory. Every variant runs ``--repeats`` times and reports its median.
-In a repeat the variants run in turn, one engine step each, each timed over its own steps (auto's
-choice of k and its engine's switches included), so a drift of the machine's speed falls on all
-of them alike (until 2026-12-05 each ran its whole rollout in turn, and two identical engines'
-ratio moved by 5% from repeat to repeat, against 0.4% stepped in turn: ``same_k_engines``).
-Auto first runs mtp_layers + 1 rollouts untimed (its profile of step costs and its measurement of
-close candidates, done once per batch size in a training run), the fixed variants one. ``--clock cpu`` times with the
+In a repeat the variants are stepped in turn (the one least far along next, so they finish
+together), each timed over its own steps (auto's choice of k and its engine's switches
+included), so a drift of the machine's speed falls on all of them alike (until 2026-12-05 each
+ran its whole rollout in turn, and two identical engines' ratio moved by 5-14% from repeat to
+repeat, against 0.4% stepped in turn: ``same_k_engines``). Auto first runs mtp_layers + 1
+rollouts untimed (its profile of step costs and its measurement of close candidates, done once
+per batch size in a training run), the fixed variants one. ``--clock cpu`` times with the
 process's CPU time instead of the wall clock (the breakdown too; both clocks' ratios are
 printed): on a machine shared with other jobs their load lands on whichever variant runs while
 they do, and the CPU time leaves it out. ``--beside-load`` runs a second CPU-bound process beside
