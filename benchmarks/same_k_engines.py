@@ -58,13 +58,15 @@ def main() -> None:
     prompts, _ = throughput.counting_task(BATCH, 1, torch.Generator().manual_seed(BATCH))
     throughput.CLOCK_NAME[0] = "cpu"
     phases_of = {}
+    variants = [throughput.Variant(name, engine) for name, engine in engines.items()]  # instrumented once, kept across modes
     for warm_up in range(args.mtp_layers + 1):  # auto's profile and first looks, as the benchmark's warm-up
-        throughput.run_in_turn([throughput.Variant("auto", engines["auto"])], prompts, 1000 + warm_up, phases_of, timed=False)
-    for name in list(engines)[:-1]:
-        throughput.run_in_turn([throughput.Variant(name, engines[name])], prompts, 99, phases_of, timed=False)
+        throughput.run_in_turn(variants[-1:], prompts, 1000 + warm_up, phases_of, timed=False)
+    for variant in variants[:-1]:
+        throughput.run_in_turn([variant], prompts, 99, phases_of, timed=False)
 
     for mode in ("one after the other", "in turn"):
-        variants = [throughput.Variant(name, engine) for name, engine in engines.items()]
+        for variant in variants:
+            variant.times, variant.chosen = {name: [] for name in throughput.CLOCKS}, []
         for round_number in range(args.rounds):
             shift = round_number % len(variants)
             order = variants[shift:] + variants[:shift]
