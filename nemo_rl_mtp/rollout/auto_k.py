@@ -55,7 +55,12 @@ would otherwise add their load to whichever k happened to be measured while they
 torch thread (a CPU run's default) it is the CPU time of the thread that runs the engine: the
 process's other threads (Ray's, the loggers') add about 2% to a rollout of the default recipe,
 and more the longer a busy machine stretches its wall time (6-27% in rollouts stretched 3-20-fold),
-which made such rollouts of one k look slower than they ran.
+which made such rollouts of one k look slower than they ran. The CPU's own speed drifts too (on
+this project's 2-core VM the same rollout took 4.4-6.9 s of CPU time within minutes), and auto
+measures one k at a time: so on a CPU each rollout's tokens/s is taken at the machine's speed
+during the tuner's first rollout, divided by its speed during this one as a fixed probe timed
+beside the steps reads it (:mod:`machine_speed`: the same rollouts spread about 5% so read against
+10-16% as measured), and a choice's expected tokens/s is given at the latest rollout's speed.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ from nemo_rl_mtp.metrics import (
     PROMPT_LENGTHS,
     SPECULATIVE_TOKENS,
 )
-from nemo_rl_mtp.rollout import step_cost_model
+from nemo_rl_mtp.rollout import machine_speed, step_cost_model
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +198,10 @@ class AdaptiveSpeculation:
         self.profiled: dict[int, dict[int, float]] = {}
         self.contexts: dict[tuple[int, bool], ContextState] = {}
         self.switch_seconds: collections.deque = collections.deque(maxlen=WINDOW)
+        # The machine's speed (module docstring, "Times"): the first rollout's probe seconds, and
+        # the latest rollout's speed relative to them.
+        self.reference_probe_seconds: float | None = None
+        self.speed = 1.0
 
     def record_switch(self, seconds: float) -> None:
         """How long one change of k took (the engine torn down and rebuilt)."""
@@ -273,7 +282,7 @@ class AdaptiveSpeculation:
         state = self.context(bucket, greedy)
         expected = self.estimates(bucket, greedy, num_requests)
         k = self._first_choice(expected) if state.rollouts == 0 else self._next_choice(state, expected)
-        return Choice(k, expected[k])
+        return Choice(k, expected[k] * self.speed)
 
     def _first_choice(self, expected: dict[int, float]) -> int:
         best = max(self.candidates, key=lambda k: (expected[k], -k))
@@ -290,10 +299,16 @@ class AdaptiveSpeculation:
         due = [k for k in self.candidates if k != best and _refresh_due(state, k, expected[k] / expected[best], switch_cost)]
         return max(due, key=state.since_measured) if due else best
 
-    def record_rollout(self, bucket: int, greedy: bool, choice: Choice, seconds: float, steps: int, tokens: int, counts: dict) -> None:
-        """A finished rollout: its realised tokens/s, its requests per step, its acceptance; after
-        the context's first, the k to run once each (k = 0 first and always, then the others the
-        prior finds plausible, best first)."""
+    def record_rollout(
+        self, bucket: int, greedy: bool, choice: Choice, seconds: float, steps: int, tokens: int, counts: dict, probe_seconds: float | None = None
+    ) -> None:
+        """A finished rollout: its realised tokens/s (at the first rollout's machine speed, where
+        ``probe_seconds``, the machine-speed probe's, are given), its requests per step, its
+        acceptance; after the context's first, the k to run once each (k = 0 first and always,
+        then the others the prior finds plausible, best first)."""
+        if probe_seconds is not None:
+            self.reference_probe_seconds = self.reference_probe_seconds or probe_seconds
+            self.speed = machine_speed.speed(probe_seconds, self.reference_probe_seconds)
         state, k = self.context(bucket, greedy), choice.num_speculative_tokens
         if state.first_looks is None:
             prior = self.prior(bucket, greedy, 1)
@@ -310,7 +325,7 @@ class AdaptiveSpeculation:
             tokens_per_request_step += float(accepted.sum()) / float(proposed[0])
         state.rollouts += 1
         state.rollout_seconds = seconds
-        observation = Observation(state.rollouts, tokens / max(seconds, 1e-9), tokens_per_request_step)
+        observation = Observation(state.rollouts, tokens / max(seconds, 1e-9) / self.speed, tokens_per_request_step)
         state.observations.setdefault(k, collections.deque(maxlen=WINDOW)).append(observation)
         state.requests_per_step = tokens / (max(steps, 1) * tokens_per_request_step)
 
@@ -447,13 +462,16 @@ def agreed_with_model_parallel_peers(value):
     return holder[0]
 
 
-def record(tuner: AdaptiveSpeculation, choice: Choice, rollouts: dict[str, torch.Tensor], greedy: bool, seconds: float) -> dict[str, torch.Tensor]:
-    """After the rollout: what it measured goes to the tuner; the choice and the tokens/s
-    expected and delivered go to the rollout's results."""
+def record(
+    tuner: AdaptiveSpeculation, choice: Choice, rollouts: dict[str, torch.Tensor], greedy: bool, seconds: float, probe_seconds: float | None
+) -> dict[str, torch.Tensor]:
+    """After the rollout: what it measured (and on a CPU the machine-speed probe's seconds during
+    it) goes to the tuner; the choice and the tokens/s expected and delivered go to the rollout's
+    results."""
     tokens = int((rollouts[LENGTHS] - rollouts[PROMPT_LENGTHS]).sum())
     counts = {DRAFT_PROPOSED_COUNTS: rollouts[DRAFT_PROPOSED_COUNTS], DRAFT_ACCEPTED_COUNTS: rollouts[DRAFT_ACCEPTED_COUNTS]}
     bucket = batch_bucket(rollouts[LENGTHS].numel())
-    tuner.record_rollout(bucket, greedy, choice, seconds, int(rollouts[DECODE_STEPS]), tokens, counts)
+    tuner.record_rollout(bucket, greedy, choice, seconds, int(rollouts[DECODE_STEPS]), tokens, counts, probe_seconds)
     return {
         SPECULATIVE_TOKENS: torch.tensor(choice.num_speculative_tokens),
         EXPECTED_TOKENS_PER_S: torch.tensor(choice.expected_tokens_per_s),

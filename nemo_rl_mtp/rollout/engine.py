@@ -26,7 +26,7 @@ import logging
 import torch
 
 from nemo_rl_mtp.megatron_compat import engine_access, engine_probes, engine_release, engine_teardown, kv_rewind
-from nemo_rl_mtp.rollout import auto_k, bookkeeping, controllers, incremental_drafts
+from nemo_rl_mtp.rollout import auto_k, bookkeeping, controllers, incremental_drafts, machine_speed
 from nemo_rl_mtp.rollout.speculation import speculation_counts
 from nemo_rl_mtp.megatron_compat.cpu import inference_runtime as cpu_inference_runtime
 from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
@@ -312,14 +312,19 @@ class Rollout:
     included), on ``auto_k.step_clock``: several engines stepped in turn each count their own work
     only. Stepped so, engines share every drift of the machine's speed: on a 2-core VM two
     identical engines' whole rollouts run one after the other differed by 5-14% (the standard
-    deviation of their ratio over 8 rounds), stepped in turn by 0.4%."""
+    deviation of their ratio over 8 rounds), stepped in turn by 0.4%. ``auto`` on a CPU also
+    reads the machine's speed during the rollout (:mod:`machine_speed`), so that it can compare
+    its rollouts of different k, which run one after the other."""
 
     def __init__(self, rollout_engine: RolloutEngine, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int, greedy: bool):
         self.rollout_engine, self.prompts, self.eos_id, self.pad_id, self.greedy = rollout_engine, prompts, eos_id, pad_id, greedy
         params = rollout_engine.sampling_params(eos_id, greedy)
         self.choice = auto_k.choose(rollout_engine, prompts, params, greedy) if rollout_engine.adaptive is not None else None
         self.clock = auto_k.step_clock()
+        self.speed_probe = machine_speed.SpeedProbe(self.clock) if self.choice is not None and machine_speed.applies() else None
         self.seconds, self.steps, self.finished = 0.0, 0, []
+        if self.speed_probe is not None:
+            self.speed_probe.probe()
         start = self.clock()
         rollout_engine.start(prompts, seed)
         for request_id, prompt in enumerate(prompts):
@@ -332,8 +337,11 @@ class Rollout:
         if engine.has_unfinished_requests():
             start = self.clock()
             self.finished.extend(engine.step_modern()["finished_request_records"])
-            self.seconds += self.clock() - start
+            step_seconds = self.clock() - start
+            self.seconds += step_seconds
             self.steps += 1
+            if self.speed_probe is not None:
+                self.speed_probe.after_step(step_seconds)
         return engine.has_unfinished_requests()
 
     def finish(self) -> dict[str, torch.Tensor]:
@@ -346,7 +354,11 @@ class Rollout:
         rollouts[DECODE_STEPS] = torch.tensor(self.steps)
         rollouts.update(speculation_counts(engine))
         if self.choice is not None:
-            rollouts.update(auto_k.record(self.rollout_engine.adaptive, self.choice, rollouts, self.greedy, self.seconds))
+            probe_seconds = None
+            if self.speed_probe is not None:
+                self.speed_probe.probe()
+                probe_seconds = self.speed_probe.seconds()
+            rollouts.update(auto_k.record(self.rollout_engine.adaptive, self.choice, rollouts, self.greedy, self.seconds, probe_seconds))
         return rollouts
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nemo_rl_mtp.rollout import auto_k as adaptive_speculation
+from nemo_rl_mtp.rollout import machine_speed
 from nemo_rl_mtp.rollout.auto_k import AdaptiveSpeculation, batch_bucket, forecast_from_metrics
 from nemo_rl_mtp.megatron_compat import engine_teardown
 from nemo_rl_mtp.rollout.engine import RolloutEngine, build_engine
@@ -199,6 +200,33 @@ def test_two_slowed_rollouts_of_three_do_not_hide_a_ks_speed():
     assert sorted(window) == [330.0, 500.0, 1000.0], window
     assert statistics.median(window) < realised[1]  # the control
     assert tuner.choose(32, False, 32).num_speculative_tokens == 0
+
+
+def _rollouts_at_speeds(tokens_per_s: dict[int, float], speeds: list[float], probed: bool) -> list[int]:
+    """Rollouts as ``_rollout``'s on a machine running at ``speeds[n]`` x its first rollout's speed
+    in rollout n: a rollout realises that share of ``tokens_per_s[k]`` and, where ``probed``, the
+    machine-speed probe slows as the rollouts do (to the power ``machine_speed.TRACKING``, as
+    measured) from 1 ms. The k of each."""
+    tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.0155}, _counts([100, 100], [90, 20]))
+    chosen = []
+    for speed in speeds:
+        choice = tuner.choose(32, False, 32)
+        k = choice.num_speculative_tokens
+        realised = tokens_per_s[k] * speed
+        tuner.record_rollout(32, False, choice, 3200 / realised, 50, 3200, _counts_for(k, [0.9, 0.2]), 0.001 * speed ** (-1 / machine_speed.TRACKING) if probed else None)
+        chosen.append(k)
+    return chosen
+
+
+def test_a_first_look_on_a_slowed_machine_is_read_at_the_machines_speed():
+    """k = 2 is the fastest (1,100 tokens/s against k = 1's 1,000 and k = 0's 700), but the
+    machine ran at 0.85x its speed during k = 2's first look (935/s). The probe, slowed alike,
+    puts k = 2 at 1,100 and auto runs it from there on. Control: without the probe k = 2's look
+    reads below k = 1 and auto keeps k = 1 (until k = 2's refresh, ten rollouts on)."""
+    realised = {0: 700.0, 1: 1000.0, 2: 1100.0}
+    speeds = [1.0, 1.0, 0.85, *[1.0] * 6]
+    assert _rollouts_at_speeds(realised, speeds, probed=True) == [1, 0, 2, 2, 2, 2, 2, 2, 2]
+    assert _rollouts_at_speeds(realised, speeds, probed=False) == [1, 0, 2, 1, 1, 1, 1, 1, 1]  # the control
 
 
 def test_an_incumbent_within_the_hysteresis_is_kept():
