@@ -24,23 +24,22 @@ import statistics
 import torch
 
 import benchmarks.rollout_throughput as throughput
-from nemo_rl_mtp.rollout import machine_speed
+from nemo_rl_mtp.rollout import auto_k, machine_speed
 from nemo_rl_mtp.rollout.engine import RolloutEngine
 
 BATCH = 32
 
 
-def probed_rollout(rollout_engine: RolloutEngine, prompts, seed: int) -> tuple[float, float, list[float]]:
-    """One rollout: its stepped seconds, the probe's median seconds over it, the probe's samples."""
+def probed_rollout(rollout_engine: RolloutEngine, prompts, seed: int) -> tuple[float, float, int]:
+    """One rollout, its engine's probe run as auto's is: the rollout's stepped seconds, the
+    probe's reading for it, the probes run during it."""
     with rollout_engine.sampling_session():
         rollout = rollout_engine.begin(prompts, throughput.TOKENIZER.eos_id, throughput.TOKENIZER.pad_id, seed)
-        probe = rollout.speed_probe = machine_speed.SpeedProbe(rollout.clock)  # as auto's rollouts probe (a fixed k's do not)
-        probe.probe()
         while rollout.step():
             pass
-        probe.probe()
     rollout.finish()
-    return rollout.seconds, probe.seconds(), probe.samples
+    probe = rollout_engine.speed_probe
+    return rollout.seconds, probe.reading(rollout.probes_before), probe.taken - rollout.probes_before
 
 
 def spread(values: list[float]) -> str:
@@ -63,18 +62,20 @@ def main() -> None:
 
     policy = throughput.benchmark_policy(throughput.config(args, 0, args.new_tokens, BATCH))
     rollout_engine = RolloutEngine(policy, throughput.config(args, args.k, args.new_tokens, BATCH))
+    rollout_engine.speed_probe = machine_speed.SpeedProbe(auto_k.step_clock())  # as auto's engine has (a fixed k's has none)
     prompts, _ = throughput.counting_task(BATCH, 1, torch.Generator().manual_seed(BATCH))
     rows = []
     with throughput.beside_load() if args.beside_load else contextlib.nullcontext(), throughput.end_of_sequence_masked(policy):
         probed_rollout(rollout_engine, prompts, seed=99)  # warm
+        probes_before = rollout_engine.speed_probe.taken
         for round_number in range(args.rounds):
             rows.append(probed_rollout(rollout_engine, prompts, seed=round_number))
-            print(f"rollout {round_number}: {rows[-1][0]:.3f} s, probe {1e3 * rows[-1][1]:.3f} ms ({len(rows[-1][2])} probes)", flush=True)
+            print(f"rollout {round_number}: {rows[-1][0]:.3f} s, probe {1e3 * rows[-1][1]:.3f} ms ({rows[-1][2]} probes)", flush=True)
 
     seconds = [row[0] for row in rows]
     probe = [row[1] for row in rows]
     fitted = statistics.linear_regression([math.log(value) for value in probe], [math.log(value) for value in seconds]).slope
-    cost = statistics.mean(sum(row[2]) / row[0] for row in rows)
+    cost = statistics.mean(rollout_engine.speed_probe.samples) * (rollout_engine.speed_probe.taken - probes_before) / sum(seconds)
     load = "beside a one-thread matmul loop" if args.beside_load else "quiet"
     print(f"\nk = {args.k}, {BATCH} prompts x {args.new_tokens} new tokens, {args.rounds} rollouts of the same work, {load}; "
           f"{torch.get_num_threads()} torch thread(s); CPU seconds per rollout: median {statistics.median(seconds):.3f}\n")  # fmt: skip
@@ -84,7 +85,7 @@ def main() -> None:
         read = [row_seconds * machine_speed.speed(row_probe, probe[0]) ** (power / machine_speed.TRACKING) for row_seconds, row_probe in zip(seconds, probe)]
         print(f"| at the first rollout's speed, taking the probe's to the power {power:.2f} ({name}) | {spread(read)} |")
     print(f"\ncorrelation of the rollouts' seconds with the probe's: {statistics.correlation(seconds, probe):.2f}; "
-          f"the probe took {100 * cost:.2f}% of a rollout's seconds ({statistics.median(len(row[2]) for row in rows):.0f} probes a rollout)")  # fmt: skip
+          f"the probes took {100 * cost:.2f}% of the rollouts' seconds ({statistics.median(row[2] for row in rows):.0f} during a rollout)")  # fmt: skip
 
 
 if __name__ == "__main__":

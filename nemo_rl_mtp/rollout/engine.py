@@ -56,6 +56,8 @@ class RolloutEngine:
             self.adaptive = auto_k.AdaptiveSpeculation(auto_k.auto_limit(policy_cfg.megatron_cfg))
         self.num_speculative_tokens = 0 if requested == auto_k.AUTO else requested
         self.engine = build_engine(policy.model.module, policy_cfg, self.num_speculative_tokens)
+        # On a CPU, auto's reading of the machine's speed (machine_speed), across its rollouts.
+        self.speed_probe = machine_speed.SpeedProbe(auto_k.step_clock()) if self.adaptive is not None and machine_speed.applies() else None
 
     def use_speculative_tokens(self, k: int) -> None:
         """Rebuild the engine for ``k`` drafts per step if it has another number."""
@@ -321,10 +323,9 @@ class Rollout:
         params = rollout_engine.sampling_params(eos_id, greedy)
         self.choice = auto_k.choose(rollout_engine, prompts, params, greedy) if rollout_engine.adaptive is not None else None
         self.clock = auto_k.step_clock()
-        self.speed_probe = machine_speed.SpeedProbe(self.clock) if self.choice is not None and machine_speed.applies() else None
+        self.speed_probe = rollout_engine.speed_probe
+        self.probes_before = self.speed_probe.taken if self.speed_probe is not None else 0
         self.seconds, self.steps, self.finished = 0.0, 0, []
-        if self.speed_probe is not None:
-            self.speed_probe.probe()
         start = self.clock()
         rollout_engine.start(prompts, seed)
         for request_id, prompt in enumerate(prompts):
@@ -354,10 +355,7 @@ class Rollout:
         rollouts[DECODE_STEPS] = torch.tensor(self.steps)
         rollouts.update(speculation_counts(engine))
         if self.choice is not None:
-            probe_seconds = None
-            if self.speed_probe is not None:
-                self.speed_probe.probe()
-                probe_seconds = self.speed_probe.seconds()
+            probe_seconds = self.speed_probe.reading(self.probes_before) if self.speed_probe is not None else None
             rollouts.update(auto_k.record(self.rollout_engine.adaptive, self.choice, rollouts, self.greedy, self.seconds, probe_seconds))
         return rollouts
 

@@ -13,15 +13,19 @@ as much: a rollout's seconds move as the probe's to a power of 0.6-0.9 (fitted p
 where as measured they spread 10-16% (``benchmarks/machine_speed.py`` measures both, and fits
 the power).
 
-The probe is a chain of small tensor operations (about 0.4 ms), run as the rollout begins and as
-it finishes, and between whenever the rollout's steps since the last probe took ``1 /
-PROBE_SHARE`` times the probe's own seconds: about 1% of a 0.3 s rollout, under 0.6% of a
-second's. On a GPU a rollout is timed by the wall clock on the device's work, which a CPU probe
-does not track: no probe runs there (:func:`applies`).
+The probe is a chain of small tensor operations (about 0.4 ms) on the clock the rollouts are
+timed with, run whenever the steps since the last probe took ``1 / PROBE_SHARE`` times the
+probe's own seconds: its cost is ``PROBE_SHARE`` of the stepped time, whatever the rollouts'
+length. It runs across rollouts (one probe per engine), and a rollout is read by the median of the
+probes during it or, where it had fewer than ``READING_SAMPLES`` (a short rollout), of the latest
+``READING_SAMPLES``: the machine's states last seconds, so the probes just before a short rollout
+tell its speed. On a GPU a rollout is timed by the wall clock on the device's work, which a CPU
+probe does not track: no probe runs there (:func:`applies`).
 """
 
 from __future__ import annotations
 
+import collections
 import statistics
 
 import torch
@@ -30,8 +34,10 @@ import torch
 # slice and an add: small operations, as a small model's decode step is made of.
 PROBE_ROWS, PROBE_WIDTH = 32, 64
 PROBE_LINKS = 12
-# Between the first and the last probe, probes take at most this share of the stepped seconds.
+# Probes take this share of the stepped seconds.
 PROBE_SHARE = 0.005
+# A rollout with fewer probes during it is read by this many of the latest.
+READING_SAMPLES = 3
 # A rollout's seconds move as the probe's to this power (module docstring).
 TRACKING = 0.75
 
@@ -50,15 +56,16 @@ def speed(probe_seconds: float, reference_probe_seconds: float) -> float:
 
 
 class SpeedProbe:
-    """The probe for one rollout, timed on ``clock`` (the clock its steps are timed with): the
-    caller probes as the rollout begins and finishes and reports each step in between."""
+    """The probe for one engine's rollouts, timed on ``clock`` (the clock their steps are timed
+    with): the rollouts report their steps, and take a reading as they finish."""
 
     def __init__(self, clock):
         self.clock = clock
         generator = torch.Generator().manual_seed(0)
         self.inputs = torch.randn(PROBE_ROWS, PROBE_WIDTH, generator=generator)
         self.weight = torch.randn(PROBE_WIDTH, 4 * PROBE_WIDTH, generator=generator) / PROBE_WIDTH**0.5
-        self.samples: list[float] = []
+        self.samples: collections.deque = collections.deque(maxlen=256)
+        self.taken = 0  # probes ever run
         self.stepped_since_probe = 0.0
 
     def probe(self) -> None:
@@ -68,15 +75,21 @@ class SpeedProbe:
         for _ in range(PROBE_LINKS):
             hidden = torch.nn.functional.silu(hidden @ self.weight)[:, :PROBE_WIDTH] * 0.5 + self.inputs
         self.samples.append(self.clock() - start)
+        self.taken += 1
         self.stepped_since_probe = 0.0
 
     def after_step(self, step_seconds: float) -> None:
-        """Count an engine step's seconds; probe if the steps since the last probe took enough
-        that this probe costs at most ``PROBE_SHARE`` of them."""
+        """Count an engine step's seconds; probe if none ran yet or if the steps since the last
+        probe took enough that this one costs ``PROBE_SHARE`` of them."""
         self.stepped_since_probe += step_seconds
-        if self.stepped_since_probe * PROBE_SHARE >= self.samples[-1]:
+        if not self.samples or self.stepped_since_probe * PROBE_SHARE >= self.samples[-1]:
             self.probe()
 
-    def seconds(self) -> float:
-        """The probe's median seconds over this rollout."""
-        return statistics.median(self.samples)
+    def reading(self, taken_before: int) -> float | None:
+        """The probe's seconds for a rollout that began when ``taken`` was ``taken_before``: the
+        median of the probes since, or of the latest ``READING_SAMPLES`` if fewer ran since
+        (None before any probe)."""
+        if not self.samples:
+            return None
+        during = min(self.taken - taken_before, len(self.samples))
+        return statistics.median(list(self.samples)[-max(during, READING_SAMPLES) :])
