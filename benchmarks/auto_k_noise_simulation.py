@@ -4,6 +4,12 @@ speed: how much of the best fixed k it realises early in a context (rollouts 4-8
 benchmark's five timed rollouts after its three untimed ones) and over 150 rollouts.
 
     uv run python -m benchmarks.auto_k_noise_simulation [--seeds 300] [--noise 0.05 0.10 0.15]
+    uv run python -m benchmarks.auto_k_noise_simulation --traces trace.json [...]
+
+With ``--traces``, the noise is a measured machine's instead (``benchmarks.machine_speed --save``:
+one engine's rollouts of the same work, and the machine-speed probe's reading for each): auto as
+it was before the probe (its rollouts' tokens/s as measured) against auto told the probe's
+readings (``nemo_rl_mtp.rollout.machine_speed``), on the same machine.
 
 The variants, written here as subclasses, are the two remedies proposed for its misses in near
 ties (docs/results.md, "engines stepped in turn"):
@@ -20,9 +26,12 @@ the run, per rule.
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import math
 import random
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -83,17 +92,56 @@ class SecondLook(AdaptiveSpeculation):
 def run(rule: type, true: dict[int, float], noise: float, seed: int, rollouts: int = 150) -> list[int]:
     """The k of each rollout of one seeded run."""
     rng = random.Random(seed)
+    return simulate(rule, true, lambda number: (math.exp(-noise * rng.gauss(0.0, 1.0)), None), rollouts)
+
+
+def simulate(rule: type, true: dict[int, float], machine, rollouts: int = 150) -> list[int]:
+    """The k of each rollout of a run where ``machine(n)`` gives rollout n's slowness (its
+    seconds over its k's typical seconds) and the machine-speed probe's reading told to the
+    rule (None: none)."""
     tuner = rule(2)
     step_seconds = {k: (1 + sum(RATES[:k])) / true[k] for k in true}  # exact: tokens per step over tokens/s
     tuner.record_profile(32, step_seconds, False, counts(2))
     chosen = []
-    for _ in range(rollouts):
+    for number in range(rollouts):
         choice = tuner.choose(32, False, 32)
         k = choice.num_speculative_tokens
-        realised = true[k] * math.exp(noise * rng.gauss(0.0, 1.0))
-        tuner.record_rollout(32, False, choice, TOKENS / realised, 50, TOKENS, counts(k))
+        slowness, probe_seconds = machine(number)
+        tuner.record_rollout(32, False, choice, TOKENS * slowness / true[k], 50, TOKENS, counts(k), probe_seconds)
         chosen.append(k)
     return chosen
+
+
+def trace_table(paths: list[Path]) -> None:
+    """auto told the probe's readings or not, on machines measured by ``benchmarks.machine_speed
+    --save``: one run per rollout of the trace to start at (wrapping round), rollout n of a run
+    as slow as the trace's rollout there against the trace's median."""
+    print("\n| trace | case | as measured: rollouts 4-8 mean (p10), run | read at the machine's speed: rollouts 4-8 mean (p10), run |")
+    print("|---|---|---|---|")
+    for path in paths:
+        trace = json.loads(path.read_text())
+        seconds, probes = trace["rollout_seconds"], trace["probe_seconds"]
+        median = statistics.median(seconds)
+        for case, true in CASES.items():
+            cells = []
+            for probed in (False, True):
+                told = probes if probed else [None] * len(probes)
+                runs = [simulate(AdaptiveSpeculation, true, functools.partial(traced, seconds, median, told, start)) for start in range(len(seconds))]
+                cells.append(summary(true, runs))
+            print(f"| {path.name} ({len(seconds)} rollouts) | {case} | " + " | ".join(cells) + " |", flush=True)
+
+
+def traced(seconds: list[float], median: float, probes: list, start: int, number: int) -> tuple[float, float | None]:
+    """Rollout ``number`` of a run from ``start`` on a traced machine: its slowness and probe reading."""
+    index = (start + number) % len(seconds)
+    return seconds[index] / median, probes[index]
+
+
+def summary(true: dict[int, float], runs: list[list[int]]) -> str:
+    """Mean and 10th percentile of rollouts 4-8, and the mean over whole runs, of the best fixed k's tokens/s."""
+    early = sorted(realised(true, chosen[3:8]) for chosen in runs)
+    whole = statistics.mean(realised(true, chosen) for chosen in runs)
+    return f"{statistics.mean(early):.3f} ({early[len(early) // 10]:.3f}), {whole:.3f}"
 
 
 def realised(true: dict[int, float], chosen: list[int]) -> float:
@@ -105,7 +153,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=300)
     parser.add_argument("--noise", type=float, nargs="+", default=[0.05, 0.10, 0.15], help="log-normal sigma of one rollout's speed")
+    parser.add_argument("--traces", type=Path, nargs="*", default=[], help="machines measured by benchmarks.machine_speed --save: auto told its probe or not")
     args = parser.parse_args()
+    if args.traces:
+        trace_table(args.traces)
+        return
     rules = {"auto": AdaptiveSpeculation, "like for like": LikeForLike, "second look": SecondLook}
     print("| case | noise | " + " | ".join(f"{name}: rollouts 4-8 mean (p10), run" for name in rules) + " |")
     print("|---|---|" + "---|" * len(rules))
@@ -113,10 +165,7 @@ def main() -> None:
         for noise in args.noise:
             cells = []
             for rule in rules.values():
-                runs = [run(rule, true, noise, seed) for seed in range(args.seeds)]
-                early = sorted(realised(true, chosen[3:8]) for chosen in runs)
-                whole = statistics.mean(realised(true, chosen) for chosen in runs)
-                cells.append(f"{statistics.mean(early):.3f} ({early[len(early) // 10]:.3f}), {whole:.3f}")
+                cells.append(summary(true, [run(rule, true, noise, seed) for seed in range(args.seeds)]))
             print(f"| {case} | {noise:.2f} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -4,7 +4,7 @@ does the same work), each timed as ``auto`` times its own (the CPU clock over it
 probe run beside its steps as ``auto``'s rollouts run it.
 
     uv run python -m benchmarks.machine_speed [--new-tokens 256] [--rounds 14] [--k 0]
-        [--beside-load] [key=value overrides, e.g. policy.megatron_cfg.num_layers=8]
+        [--beside-load] [--save trace.json] [key=value overrides, e.g. policy.megatron_cfg.num_layers=8]
 
 Prints, in markdown, the spread of the rollouts' seconds as measured and read at the first
 rollout's machine speed as ``auto`` reads them on a CPU (the probe's seconds to the power
@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=14)
     parser.add_argument("--k", type=int, default=0, help="drafts per step of the engine")
     parser.add_argument("--beside-load", action="store_true", help="run a second CPU-bound process (a one-thread matmul loop) beside the benchmark")
+    parser.add_argument("--save", type=Path, help="write the rollouts' seconds and probe readings here (JSON), for benchmarks.auto_k_noise_simulation --traces")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
     args.mtp_layers, args.train_batch = 2, 64  # rollout_throughput's defaults
@@ -74,6 +78,8 @@ def main() -> None:
 
     seconds = [row[0] for row in rows]
     probe = [row[1] for row in rows]
+    if args.save:
+        args.save.write_text(json.dumps({"rollout_seconds": seconds, "probe_seconds": probe, "command": sys.argv[1:]}))
     fitted = statistics.linear_regression([math.log(value) for value in probe], [math.log(value) for value in seconds]).slope
     cost = statistics.mean(rollout_engine.speed_probe.samples) * (rollout_engine.speed_probe.taken - probes_before) / sum(seconds)
     load = "beside a one-thread matmul loop" if args.beside_load else "quiet"
