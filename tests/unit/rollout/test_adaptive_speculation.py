@@ -229,6 +229,27 @@ def test_a_first_look_on_a_slowed_machine_is_read_at_the_machines_speed():
     assert _rollouts_at_speeds(realised, speeds, probed=False) == [1, 0, 2, 1, 1, 1, 1, 1, 1]  # the control
 
 
+def test_the_machine_speed_probe_costs_about_its_share_of_the_stepped_time():
+    """400 steps of real work (a matrix product chain, about 1 ms each): the probes, run as a
+    rollout's steps report in, take between half and twice ``PROBE_SHARE`` of the steps' CPU
+    time (they are timed with it; the machine's drift moves probe and steps alike), and a reading
+    taken after the first probe is a median of probes that ran."""
+    probe = machine_speed.SpeedProbe(time.thread_time)
+    matrix = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) / 128**0.5
+    stepped = 0.0
+    for _ in range(400):
+        start = time.thread_time()
+        product = matrix
+        for _ in range(20):
+            product = product @ matrix
+        seconds = time.thread_time() - start
+        stepped += seconds
+        probe.after_step(seconds)
+    share = sum(probe.samples) / stepped
+    assert 0.5 * machine_speed.PROBE_SHARE <= share <= 2.0 * machine_speed.PROBE_SHARE, (share, probe.taken)
+    assert min(probe.samples) <= probe.reading(probe.taken - 1) <= max(probe.samples)
+
+
 def test_an_incumbent_within_the_hysteresis_is_kept():
     """k = 2 measured 0.5% faster than k = 1 does not displace it; 5% faster does."""
     tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.0155}, _counts([100, 100], [90, 20]))
