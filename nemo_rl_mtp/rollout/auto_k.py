@@ -59,8 +59,9 @@ which made such rollouts of one k look slower than they ran. The CPU's own speed
 this project's 2-core VM the same rollout took 4.4-6.9 s of CPU time within minutes), and auto
 measures one k at a time: so on a CPU each rollout's tokens/s is taken at the machine's speed
 during the tuner's first rollout, divided by its speed during this one as a fixed probe timed
-beside the steps reads it (:mod:`machine_speed`: the same rollouts spread about 5% so read against
-10-16% as measured), and a choice's expected tokens/s is given at the latest rollout's speed.
+beside the steps reads it, conservatively (:mod:`machine_speed`: rollouts of the same work that
+spread 13-17% as measured spread 7-11% so read), and a choice's expected tokens/s is given at the
+latest rollout's speed.
 """
 
 from __future__ import annotations

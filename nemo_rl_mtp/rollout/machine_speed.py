@@ -9,9 +9,9 @@ twice the length); auto runs one k at a time (one engine within the memory budge
 looked at once in a slow spell kept a low estimate. A small fixed workload timed on the same
 clock moves with the rollouts (correlation 0.87-0.94 in four runs of 60-300 rollouts, 0.71 in
 one of 30), if not by as much: a rollout's seconds move as the
-probe's to a power of 0.6-0.9 at k = 0 and k = 2 with untrained heads, and 0.4 with heads that
-are always accepted at k = 2 (fitted per run). ``speed`` takes the probe's seconds to the lowest
-of these, ``TRACKING`` = 0.35, so that a rollout in a slow spell is not read faster than it would
+probe's to a power of 0.45-0.8 at k = 0 and k = 2 with untrained heads, and about 0.4 with heads
+that are always accepted at k = 2 (fitted per run). ``speed`` takes the probe's seconds to a power
+just below the lowest, ``TRACKING`` = 0.35, so that a rollout in a slow spell is not read faster than it would
 have run at full speed: auto estimates a k by the fastest of its last three rollouts, which would
 keep such an over-read (with 0.75, in the rollout benchmark, a look at k = 0 so read beat the
 k = 2 that was 13% faster). Where rollouts track the probe more closely part of the drift
