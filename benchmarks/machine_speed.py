@@ -9,7 +9,8 @@ probe run beside its steps as ``auto``'s rollouts run it.
 Prints, in markdown, the spread of the rollouts' seconds as measured and read at the first
 rollout's machine speed as ``auto`` reads them on a CPU (the probe's seconds to the power
 ``machine_speed.TRACKING``), to the power 1 and to the power fitted to this run, their
-correlation with the probe's, and what the probe cost. Set-up as ``benchmarks/rollout_throughput.py`` (its config and counting prompts, 32 of them,
+correlation with the probe's, and what the probe cost. Set-up as
+``benchmarks/rollout_throughput.py`` (its config and counting prompts, 32 of them,
 ``--beside-load``'s one-thread matmul loop), untrained heads (the work, not the drafts, is what
 is timed here).
 """
@@ -57,7 +58,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=14)
     parser.add_argument("--k", type=int, default=0, help="drafts per step of the engine")
     parser.add_argument("--beside-load", action="store_true", help="run a second CPU-bound process (a one-thread matmul loop) beside the benchmark")
-    parser.add_argument("--save", type=Path, help="write the rollouts' seconds and probe readings here (JSON), for benchmarks.auto_k_noise_simulation --traces")
+    parser.add_argument("--save", type=Path, help="write the rollouts' seconds and probe readings here (JSON), for auto_k_noise_simulation --traces")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
     args.mtp_layers, args.train_batch = 2, 64  # rollout_throughput's defaults
@@ -88,7 +89,7 @@ def main() -> None:
     print("| rollouts' seconds | coefficient of variation | lowest-highest over the median |\n|---|---|---|")
     print(f"| as measured | {spread(seconds)} |")
     for power, name in ((machine_speed.TRACKING, "auto's"), (1.0, "all"), (fitted, "fitted to this run")):
-        read = [row_seconds * machine_speed.speed(row_probe, probe[0]) ** (power / machine_speed.TRACKING) for row_seconds, row_probe in zip(seconds, probe)]
+        read = [row_seconds * (probe[0] / row_probe) ** power for row_seconds, row_probe in zip(seconds, probe)]  # machine_speed.speed at ``power``
         print(f"| at the first rollout's speed, taking the probe's to the power {power:.2f} ({name}) | {spread(read)} |")
     print(f"\ncorrelation of the rollouts' seconds with the probe's: {statistics.correlation(seconds, probe):.2f}; "
           f"the probes took {100 * cost:.2f}% of the rollouts' seconds ({statistics.median(row[2] for row in rows):.0f} during a rollout)")  # fmt: skip

@@ -2,23 +2,23 @@
 steps, so that ``auto`` (:mod:`auto_k`) can compare rollouts of different k run seconds or
 minutes apart.
 
-Why: on a CPU a rollout's CPU seconds move with the machine's speed, not only with its work. On
-the 2-core VM this project is built on, the same rollout at one k took 1.9 s or 2.7 s of CPU time
-as the machine switched between a fast and a slow state every few rollouts (and 4.4-6.9 s at
-twice the length); auto runs one k at a time (one engine within the memory budget), so a k
-looked at once in a slow spell kept a low estimate. A small fixed workload timed on the same
-clock moves with the rollouts (correlation 0.87-0.94 in four runs of 60-300 rollouts, 0.71 in
-one of 30), if not by as much: a rollout's seconds move as the
-probe's to a power of 0.45-0.8 at k = 0 and k = 2 with untrained heads, and about 0.4 with heads
-that are always accepted at k = 2 (fitted per run). ``speed`` takes the probe's seconds to a power
-just below the lowest, ``TRACKING`` = 0.35, so that a rollout in a slow spell is not read faster than it would
-have run at full speed: auto estimates a k by the fastest of its last three rollouts, which would
-keep such an over-read (with 0.75, in the rollout benchmark, a look at k = 0 so read beat the
-k = 2 that was 13% faster). Where rollouts track the probe more closely part of the drift
-stays, and the fastest of three leaves it out as before. Replaying auto on four measured traces
-of this machine in three cases each (``benchmarks/auto_k_noise_simulation.py --traces``), read so
-it realised as much of the best fixed k as with the raw seconds or more in 11 of 12 (0.5 points
-less in one), up to 1.4 points more over a run and 1.7 in its rollouts 4-8. ``benchmarks/machine_speed.py`` measures the spread of the same
+Why: on a CPU a rollout's CPU seconds move with the machine's speed, not only with its work. On the
+2-core VM this project is built on, the same rollout at one k took 1.9 s or 2.7 s of CPU time as
+the machine switched between a fast and a slow state every few rollouts (and 4.4-6.9 s at twice the
+length); auto runs one k at a time (one engine within the memory budget), so a k looked at once in
+a slow spell kept a low estimate. A small fixed workload timed on the same clock moves with the
+rollouts (correlation 0.87-0.94 in four runs of 60-300 rollouts, 0.71 in one of 30), if not by as
+much: a rollout's seconds move as the probe's to a power of 0.45-0.8 at k = 0 and k = 2 with
+untrained heads, and about 0.4 with heads that are always accepted at k = 2 (fitted per run).
+``speed`` takes the probe's seconds to a power just below the lowest, ``TRACKING`` = 0.35, so that
+a rollout in a slow spell is not read faster than it would have run at full speed: auto estimates a
+k by the fastest of its last three rollouts, which would keep such an over-read (with 0.75, in the
+rollout benchmark, a look at k = 0 so read beat the k = 2 that was 13% faster). Where rollouts
+track the probe more closely part of the drift stays, and the fastest of three leaves it out as
+before. Replaying auto on four measured traces of this machine in three cases each
+(``benchmarks/auto_k_noise_simulation.py --traces``), read so it realised as much of the best fixed
+k as with the raw seconds or more in 11 of 12 (0.5 points less in one), up to 1.4 points more over
+a run and 1.7 in its rollouts 4-8. ``benchmarks/machine_speed.py`` measures the spread of the same
 rollouts both ways and fits the power.
 
 The probe is a chain of small tensor operations (about 0.4 ms) on the clock the rollouts are
