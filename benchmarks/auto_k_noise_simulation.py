@@ -8,11 +8,17 @@ benchmark's five timed rollouts after its three untimed ones) and over 150 rollo
 
 With ``--traces``, the noise is a measured machine's instead (``benchmarks.machine_speed --save``:
 one engine's rollouts of the same work, and the machine-speed probe's reading for each): auto as
-it was before the probe (its rollouts' tokens/s as measured) against auto told the probe's
-readings (``nemo_rl_mtp.rollout.machine_speed``), on the same machine.
+it was before the probe (its rollouts' tokens/s as measured), auto told the probe's readings
+(``nemo_rl_mtp.rollout.machine_speed``), and auto told them with a **slowed second look**: a k
+looked at once in a state of the machine slower than the best estimate's rollout (its probe 5%
+slower or more), that would be ahead were the slowing read out to the power 0.8 (the closest
+tracking measured on 2026-12-05), runs again at once, once. ``--probe-tracking P`` replaces each
+trace's probe readings by its rollouts' slowness to the power 1 / P with 2% seeded noise: a
+machine whose rollouts track the probe at the power P.
 
-The variants, written here as subclasses, are the two remedies proposed for its misses in near
-ties (docs/results.md, "engines stepped in turn"):
+The variants, written here as subclasses, are remedies proposed for its misses in near ties
+(docs/results.md, "engines stepped in turn"; the slowed second look above, "what the probe sees
+on another day"), none adopted:
 - **like for like**: every measured k is estimated by the fastest of as many of its latest
   rollouts as the least measured k has (the incumbent, measured thrice, no longer competes by the
   fastest of three against a k measured once);
@@ -36,6 +42,7 @@ from pathlib import Path
 import torch
 
 from nemo_rl_mtp.rollout.auto_k import HYSTERESIS, REFRESH_WITHIN, AdaptiveSpeculation
+from nemo_rl_mtp.rollout.machine_speed import TRACKING
 
 RATES = (0.9, 0.8)  # acceptance per draft depth
 TOKENS = 3200  # tokens of a rollout
@@ -89,6 +96,41 @@ class SecondLook(AdaptiveSpeculation):
         return super()._next_choice(state, expected)
 
 
+class SlowedSecondLook(AdaptiveSpeculation):
+    """A k looked at once, in a slower state of the machine than the rollout the best estimate rests
+    on, that could be ahead were its slowing read out in full, runs again at once (module docstring)."""
+
+    SLOWER_STATE, TRACKING_HIGHEST = 0.05, 0.8
+
+    def __init__(self, max_k: int):
+        super().__init__(max_k)
+        self.slowdowns: dict[int, float] = {}  # rollout number -> the probe's seconds over the first rollout's
+
+    def record_rollout(self, bucket, greedy, choice, seconds, steps, tokens, counts, probe_seconds=None) -> None:
+        super().record_rollout(bucket, greedy, choice, seconds, steps, tokens, counts, probe_seconds)
+        state = self.context(bucket, greedy)
+        self.slowdowns[state.rollouts] = probe_seconds / self.reference_probe_seconds if probe_seconds is not None else 1.0
+
+    def _next_choice(self, state, expected: dict[int, float]) -> int:
+        if state.first_looks:
+            return super()._next_choice(state, expected)
+        best = max(self.candidates, key=lambda k: (expected[k], -k))
+        if expected[state.incumbent] * (1.0 + HYSTERESIS) >= expected[best]:
+            best = state.incumbent
+        if best not in state.observations:
+            return super()._next_choice(state, expected)
+        reference = self.slowdowns[max(state.observations[best], key=lambda obs: obs.tokens_per_s / obs.tokens_per_request_step).number]
+        for k in sorted(state.observations, key=lambda k: -expected[k]):
+            slowdown = self.slowdowns[state.observations[k][0].number]
+            if (
+                k != best and len(state.observations[k]) == 1 and slowdown >= (1.0 + self.SLOWER_STATE) * reference
+                and expected[k] * (slowdown / reference) ** (self.TRACKING_HIGHEST - TRACKING) >= expected[best]
+            ):  # fmt: skip
+                state.incumbent = best
+                return k
+        return super()._next_choice(state, expected)
+
+
 def run(rule: type, true: dict[int, float], noise: float, seed: int, rollouts: int = 150) -> list[int]:
     """The k of each rollout of one seeded run."""
     rng = random.Random(seed)
@@ -112,21 +154,28 @@ def simulate(rule: type, true: dict[int, float], machine, rollouts: int = 150) -
     return chosen
 
 
-def trace_table(paths: list[Path]) -> None:
-    """auto told the probe's readings or not, on machines measured by ``benchmarks.machine_speed
-    --save``: one run per rollout of the trace to start at (wrapping round), rollout n of a run
-    as slow as the trace's rollout there against the trace's median."""
-    print("\n| trace | case | as measured: rollouts 4-8 mean (p10), run | read at the machine's speed: rollouts 4-8 mean (p10), run |")
-    print("|---|---|---|---|")
+def trace_table(paths: list[Path], probe_tracking: float | None) -> None:
+    """auto told the probe's readings or not, and with a slowed second look, on machines measured
+    by ``benchmarks.machine_speed --save``: one run per rollout of the trace to start at (wrapping
+    round), rollout n of a run as slow as the trace's rollout there against the trace's median;
+    the probe's readings the trace's, or its rollouts' slowness to the power 1 / ``probe_tracking``."""
+    rules = {"as measured": (AdaptiveSpeculation, False), "read at the machine's speed (auto)": (AdaptiveSpeculation, True),
+             "read so, with a slowed second look": (SlowedSecondLook, True)}  # fmt: skip
+    probes_from = "the trace's probe" if probe_tracking is None else f"a probe the rollouts track at the power {probe_tracking}"
+    print(f"\nProbe readings: {probes_from}. Cells: rollouts 4-8 mean (p10), run mean.\n")
+    print("| trace | case | " + " | ".join(rules) + " |\n|---|---|" + "---|" * len(rules))
     for path in paths:
         trace = json.loads(path.read_text())
         seconds, probes = trace["rollout_seconds"], trace["probe_seconds"]
         median = statistics.median(seconds)
+        if probe_tracking is not None:
+            rng = random.Random(0)
+            probes = [probes[0] * (value / median) ** (1.0 / probe_tracking) * (1.0 + 0.02 * rng.gauss(0.0, 1.0)) for value in seconds]
         for case, true in CASES.items():
             cells = []
-            for probed in (False, True):
+            for rule, probed in rules.values():
                 told = probes if probed else [None] * len(probes)
-                runs = [simulate(AdaptiveSpeculation, true, functools.partial(traced, seconds, median, told, start)) for start in range(len(seconds))]
+                runs = [simulate(rule, true, functools.partial(traced, seconds, median, told, start)) for start in range(len(seconds))]
                 cells.append(summary(true, runs))
             print(f"| {path.name} ({len(seconds)} rollouts) | {case} | " + " | ".join(cells) + " |", flush=True)
 
@@ -154,9 +203,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=300)
     parser.add_argument("--noise", type=float, nargs="+", default=[0.05, 0.10, 0.15], help="log-normal sigma of one rollout's speed")
     parser.add_argument("--traces", type=Path, nargs="*", default=[], help="machines measured by benchmarks.machine_speed --save: auto told its probe or not")
+    parser.add_argument("--probe-tracking", type=float, help="with --traces: probe readings made from the rollouts' slowness, tracked at this power")
     args = parser.parse_args()
     if args.traces:
-        trace_table(args.traces)
+        trace_table(args.traces, args.probe_tracking)
         return
     rules = {"auto": AdaptiveSpeculation, "like for like": LikeForLike, "second look": SecondLook}
     print("| case | noise | " + " | ".join(f"{name}: rollouts 4-8 mean (p10), run" for name in rules) + " |")
