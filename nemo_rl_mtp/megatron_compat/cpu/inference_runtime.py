@@ -17,7 +17,8 @@ On top of :mod:`cpu_runtime` (which adapts training), the engine reaches CUDA in
    engine is built and while it generates.
 
 ``install()`` applies 1-4 once per process and logs what it did; with CUDA present it changes
-nothing, and the engine runs unmodified with flash-attn (the ``gpu`` extra).
+nothing, and the engine runs unmodified with flash-attn (the ``gpu`` extra). On a GPU without
+flash-attn, ``install_paged_attention_without_flash_attn()`` applies 2 alone.
 """
 
 from __future__ import annotations
@@ -78,6 +79,29 @@ def install() -> bool:
     return True
 
 
+def install_paged_attention_without_flash_attn() -> bool:
+    """On a GPU without flash-attn (the ``gpu`` extra not installed, as on a lent machine that
+    cannot fetch it): the engine's paged attention in torch (:mod:`paged_attention`, item 2 of the
+    module docstring), the rest of the engine unmodified. Slower than flash-attn's kernels (keys
+    are gathered, the longest key length read on the host each call), so what it times is not
+    what a served engine would; ``benchmarks.gpu_speculation_check`` says so. Idempotent; False
+    where flash-attn is there (nothing changed)."""
+    attention = importlib.import_module("megatron.core.transformer.attention")
+    if not hasattr(attention, "flash_attn_with_kvcache"):
+        from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
+
+        raise RuntimeError(f"megatron-core {megatron_core_version()}: its attention module has no flash_attn_with_kvcache to stand in for")
+    if attention.flash_attn_with_kvcache is paged_attention.flash_attn_with_kvcache:
+        return True
+    if attention.flash_attn_with_kvcache is not None:
+        logger.info("cpu_inference_runtime: flash-attn is installed: the engine's attention is its own")
+        return False
+    for module_name, name, replacement in _attention_targets():
+        setattr(importlib.import_module(module_name), name, replacement)
+    logger.info("cpu_inference_runtime: no flash-attn: the engine's paged attention runs in torch (slower than flash-attn's)")
+    return True
+
+
 def _module_targets() -> list[tuple[str, str, object]]:
     """(module, name, stand-in) of every CUDA-only piece the engine of some release reaches by a
     module-level name. A release without the name does not reach it (the triton kernels of
@@ -85,9 +109,7 @@ def _module_targets() -> list[tuple[str, str, object]]:
     fail at once, and this module's log names what it did not find."""
     controller = "megatron.core.inference.text_generation_controllers.text_generation_controller"
     targets = [
-        ("megatron.core.transformer.attention", "flash_attn_varlen_func", paged_attention.flash_attn_varlen_func),
-        ("megatron.core.transformer.attention", "flash_attn_with_kvcache", paged_attention.flash_attn_with_kvcache),
-        ("megatron.core.transformer.attention", "is_fa_min_version", _paged_attention_stands_in),
+        *_attention_targets(),
         ("megatron.core.inference.contexts.dynamic_context", "triton_append_key_value_cache", None),
         ("megatron.core.inference.communication_utils", "_is_cuda", _is_tensor),
         (controller, "prepare_next_forward_pass", speculative_kernels.prepare_next_forward_pass),
@@ -98,6 +120,15 @@ def _module_targets() -> list[tuple[str, str, object]]:
 
         targets += [(controller, kernel, getattr(mtp_utils_pytorch, kernel)) for kernel in ("verify_speculative_tokens", "mamba_state_selective_copy")]
     return targets
+
+
+def _attention_targets() -> list[tuple[str, str, object]]:
+    """flash-attn's two paged kernels and the version gate in front of them, with their stand-ins."""
+    return [
+        ("megatron.core.transformer.attention", "flash_attn_varlen_func", paged_attention.flash_attn_varlen_func),
+        ("megatron.core.transformer.attention", "flash_attn_with_kvcache", paged_attention.flash_attn_with_kvcache),
+        ("megatron.core.transformer.attention", "is_fa_min_version", _paged_attention_stands_in),
+    ]
 
 
 class HostEvent:

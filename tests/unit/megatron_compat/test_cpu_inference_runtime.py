@@ -64,3 +64,41 @@ def test_nothing_is_touched_when_cuda_is_available():
     completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "untouched" in completed.stdout
+
+
+def test_on_a_gpu_without_flash_attn_only_the_attention_is_replaced():
+    """A lent GPU cannot fetch flash-attn: there the engine's paged attention runs in torch, and
+    nothing else of the CPU adaptation is applied (CUDA events, triton kernels stay); a second
+    call changes nothing; where flash-attn is there (a stand-in for it here), it is left alone."""
+    script = textwrap.dedent(
+        """
+        import torch
+        torch.cuda.is_available = lambda: True
+        from megatron.core.inference.contexts import dynamic_context
+        from megatron.core.inference.text_generation_controllers import mtp_utils_triton, text_generation_controller
+        from megatron.core.transformer import attention
+        from nemo_rl_mtp.megatron_compat.cpu import inference_runtime, paged_attention
+
+        assert attention.flash_attn_with_kvcache is None  # no flash-attn in this environment
+        untouched = (torch.cuda.Event, dynamic_context.triton_append_key_value_cache, text_generation_controller.verify_speculative_tokens)
+        assert inference_runtime.install_paged_attention_without_flash_attn() is True
+        assert attention.flash_attn_with_kvcache is paged_attention.flash_attn_with_kvcache
+        assert attention.flash_attn_varlen_func is paged_attention.flash_attn_varlen_func
+        assert attention.is_fa_min_version("2.7.3") is True
+        assert all(a is b for a, b in zip(untouched, (torch.cuda.Event, dynamic_context.triton_append_key_value_cache,
+                                                      text_generation_controller.verify_speculative_tokens)))
+        assert text_generation_controller.verify_speculative_tokens is mtp_utils_triton.verify_speculative_tokens
+        assert inference_runtime.install_paged_attention_without_flash_attn() is True
+
+        def installed_flash_attn(*args, **kwargs):
+            raise AssertionError("not called here")
+
+        attention.flash_attn_with_kvcache = installed_flash_attn
+        assert inference_runtime.install_paged_attention_without_flash_attn() is False
+        assert attention.flash_attn_with_kvcache is installed_flash_attn
+        print("attention alone")
+        """
+    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "attention alone" in completed.stdout
