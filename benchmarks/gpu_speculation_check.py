@@ -138,7 +138,10 @@ def main() -> None:
 
     model = policy.model.module
     shape = step_cost_model.model_shape_from_megatron_config(model.config, model.vocab_size, "MiMo-7B shape" if not args.dry_run else "tiny")
-    gpu = step_cost_model.gpu_spec_from_device_name(device) or step_cost_model.H100_SXM
+    gpu = step_cost_model.gpu_spec_from_device_name(device)
+    if gpu is None:  # a CPU (the dry run) or a GPU the model has no figures for
+        gpu = step_cost_model.H100_SXM
+        print(f"(the cost model has no figures for {device}: its column is an {gpu.name}'s)")
     context = args.prompt_tokens + args.new_tokens // 2
     predicted = step_cost_model.relative_step_costs(shape, gpu, args.batch, context, args.mtp_layers)
     base_step = seconds_per_step(variants[0])
