@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 
 import torch
 
 import benchmarks.rollout_throughput as throughput
-from nemo_rl_mtp.grpo.checked_config import load_checked_config
 from nemo_rl_mtp.megatron_compat.cpu import inference_runtime
 from nemo_rl_mtp.megatron_compat.cpu.training_runtime import cuda_available
 from nemo_rl_mtp.megatron_compat.installed import megatron_core_version
@@ -59,27 +57,10 @@ MIMO_VOCAB = 151680
 FIRST_PROMPT_ID = throughput.TOKENIZER.vocab_size
 
 
-def policy_config(args, k, vocab_size: int):
-    """The policy config of one variant: the shape, room in the engine for the whole batch at full
-    length (keys and values of the decoder's and the MTP layers), k drafts per step."""
-    shape = {} if args.dry_run else {**MIMO_7B, "num_layers": args.layers}
-    length = args.prompt_tokens + args.new_tokens
-    model = load_checked_config(overrides=[f"policy.megatron_cfg.{key}={value}" for key, value in shape.items()]).policy.megatron_cfg
-    head_dim = model.hidden_size // model.num_attention_heads
-    element_bytes = 2 if model.params_dtype == "bfloat16" else 4
-    bytes_per_token = 2 * (model.num_layers + args.mtp_layers) * model.num_query_groups * head_dim * element_bytes
-    buffer_gb = 1.5 * args.batch * (length + 8) * bytes_per_token / 1024**3
-    return load_checked_config(
-        overrides=[
-            *(f"policy.megatron_cfg.{key}={value}" for key, value in shape.items()),
-            f"policy.megatron_cfg.mtp_num_layers={args.mtp_layers}",
-            f"policy.generation.num_speculative_tokens={k}",
-            f"policy.generation.max_new_tokens={args.new_tokens}",
-            f"policy.max_total_sequence_length={length + 4}",
-            f"policy.generation.engine.buffer_size_gb={max(buffer_gb, 0.01):.4f}",
-            f"policy.generation.engine.max_requests={args.batch}",
-        ]
-    ).policy
+def policy_config(args, k):
+    """One variant's policy config: ``benchmarks.rollout_throughput``'s, at this check's shape,
+    prompts and k."""
+    return throughput.config(args, k, args.new_tokens, args.batch, prompt_tokens=args.prompt_tokens)
 
 
 def random_prompts(args, vocab_size: int) -> list[list[int]]:
@@ -113,19 +94,25 @@ def main() -> None:
     if args.dry_run:
         args.batch, args.prompt_tokens, args.new_tokens, args.repeats = 4, 8, 16, 2
     vocab_size = 256 if args.dry_run else MIMO_VOCAB
+    shape = {} if args.dry_run else {**MIMO_7B, "num_layers": args.layers}
+    args.overrides = [f"policy.megatron_cfg.{key}={value}" for key, value in shape.items()]
+    args.train_batch = 64  # rollout_throughput's (the policy's optimizer is built, never stepped)
 
-    base = policy_config(args, 0, vocab_size)
+    base = policy_config(args, 0)
     initialize_model_parallel(base.megatron_cfg, 0, 1, f"tcp://127.0.0.1:{free_port()}")
-    attention = "torch paged attention (no flash-attn: slower than a served engine's)" if inference_runtime.install_paged_attention_without_flash_attn() else "flash-attn"
     if not cuda_available():
         attention = "torch paged attention (CPU)"
+    elif inference_runtime.install_paged_attention_without_flash_attn():
+        attention = "torch paged attention (no flash-attn: slower than a served engine's)"
+    else:
+        attention = "flash-attn"
     torch.manual_seed(base.megatron_cfg.seed)
     policy = setup_megatron_policy(base, vocab_size)
     device = torch.cuda.get_device_name() if cuda_available() else "CPU"
     print(f"{device}; torch {torch.__version__}, megatron-core {megatron_core_version()}; attention: {attention}; eager (no CUDA graphs)", flush=True)
 
-    variants = [throughput.Variant(f"k={k}", RolloutEngine(policy, policy_config(args, k, vocab_size))) for k in range(args.mtp_layers + 1)]
-    auto = throughput.Variant("auto", RolloutEngine(policy, policy_config(args, "auto", vocab_size)))
+    variants = [throughput.Variant(f"k={k}", RolloutEngine(policy, policy_config(args, k))) for k in range(args.mtp_layers + 1)]
+    auto = throughput.Variant("auto", RolloutEngine(policy, policy_config(args, "auto")))
     prompts, phases_of = random_prompts(args, vocab_size), {}
     for warm_up in range(args.mtp_layers + 1):  # auto's profile and first looks, as in a run
         throughput.run_in_turn([auto], prompts, 1000 + warm_up, phases_of, timed=False)
@@ -137,15 +124,15 @@ def main() -> None:
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{v.name} {v.tokens / v.times[throughput.CLOCK_NAME[0]][-1]:.0f} tok/s" for v in everyone), flush=True)
 
     model = policy.model.module
-    shape = step_cost_model.model_shape_from_megatron_config(model.config, model.vocab_size, "MiMo-7B shape" if not args.dry_run else "tiny")
+    model_shape = step_cost_model.model_shape_from_megatron_config(model.config, model.vocab_size, "MiMo-7B shape" if not args.dry_run else "tiny")
     gpu = step_cost_model.gpu_spec_from_device_name(device)
     if gpu is None:  # a CPU (the dry run) or a GPU the model has no figures for
         gpu = step_cost_model.H100_SXM
         print(f"(the cost model has no figures for {device}: its column is an {gpu.name}'s)")
     context = args.prompt_tokens + args.new_tokens // 2
-    predicted = step_cost_model.relative_step_costs(shape, gpu, args.batch, context, args.mtp_layers)
+    predicted = step_cost_model.relative_step_costs(model_shape, gpu, args.batch, context, args.mtp_layers)
     base_step = seconds_per_step(variants[0])
-    print(f"\n{shape.name}, {args.layers if not args.dry_run else 'default'} layers + {args.mtp_layers} MTP; {args.batch} requests x "
+    print(f"\n{model_shape.name}, {args.layers if not args.dry_run else 'default'} layers + {args.mtp_layers} MTP; {args.batch} requests x "
           f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens (random weights, end of sequence masked); median of {args.repeats}; "
           f"cost model: {gpu.name} at {context} tokens of context, eager\n")  # fmt: skip
     print("| k | tokens/s | vs k = 0 | ms per step | c_k/c_0 measured | c_k/c_0 cost model | acceptance per depth (%) |")
@@ -163,7 +150,6 @@ def main() -> None:
         tokens = tokens_per_step(rates, k)
         measured = seconds_per_step(variants[k]) / base_step
         print(f"| {k} | {tokens:.2f} | {tokens / measured:.2f} | {tokens / predicted[k]:.2f} |")
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

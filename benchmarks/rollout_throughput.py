@@ -96,19 +96,21 @@ def counting_task(num_prompts: int, length: int, generator: torch.Generator) -> 
     return prompts, answers
 
 
-def config(args, k, new_tokens: int, batch: int):
+def config(args, k, new_tokens: int, batch: int, prompt_tokens: int = PROMPT_TOKENS):
     """The policy config of one cell: room in the engine for the whole batch at full length (the
-    keys and values of the decoder's and the MTP layers, fp32), so no request waits for blocks."""
+    keys and values of the decoder's and the MTP layers, in the model's dtype), so no request
+    waits for blocks."""
     model = load_checked_config(overrides=list(args.overrides)).policy.megatron_cfg
     kv_width = model.hidden_size * model.num_query_groups // model.num_attention_heads
-    bytes_per_token = 2 * (model.num_layers + args.mtp_layers) * kv_width * 4
-    buffer_gb = 1.5 * batch * (new_tokens + PROMPT_TOKENS + 4) * bytes_per_token / 1024**3
+    element_bytes = torch.tensor([], dtype=getattr(torch, model.params_dtype)).element_size()
+    bytes_per_token = 2 * (model.num_layers + args.mtp_layers) * kv_width * element_bytes
+    buffer_gb = 1.5 * batch * (new_tokens + prompt_tokens + 4) * bytes_per_token / 1024**3
     return load_checked_config(
         overrides=[
             f"policy.megatron_cfg.mtp_num_layers={args.mtp_layers}",
             f"policy.generation.num_speculative_tokens={k}",
             f"policy.generation.max_new_tokens={new_tokens}",
-            f"policy.max_total_sequence_length={new_tokens + PROMPT_TOKENS + 3}",
+            f"policy.max_total_sequence_length={new_tokens + prompt_tokens + 3}",
             f"policy.generation.engine.buffer_size_gb={max(buffer_gb, 0.01):.4f}",
             f"policy.generation.engine.max_requests={batch}",
             f"policy.train_global_batch_size={args.train_batch}",
