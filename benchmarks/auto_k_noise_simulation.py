@@ -16,7 +16,13 @@ tracking measured on 2026-12-05), runs again at once, once. ``--probe-tracking P
 trace's probe readings by its rollouts' slowness to the power 1 / P with 2% seeded noise: a
 machine whose rollouts track the probe at the power P.
 
-The variants, written here as subclasses, are remedies proposed for its misses in near ties
+``--switch-cost C`` charges every change of k C of the best k's rollout (an engine rebuilt;
+about 0.12 in the default recipe on a CPU) and tells the rule, as the engine does. Both tables
+also run the rule **without confirmation** (a switch is no longer checked against the new k's
+first rollout after it: the rule before 2026-12-06) and with a **look back** (after a switch the
+new k's first rollout confirmed, the k left behind runs once three rollouts later), not adopted.
+
+The other variants, written here as subclasses, are remedies proposed for its misses in near ties
 (docs/results.md, "engines stepped in turn"; the slowed second look above, "what the probe sees
 on another day"), none adopted:
 - **like for like**: every measured k is estimated by the fastest of as many of its latest
@@ -50,6 +56,9 @@ CASES = {  # true tokens/s of k = 0, 1, 2 over the best
     "k = 0 best, k = 1 and 2 at 0.96 (the untrained 2-layer 128-token cell)": {0: 1.0, 1: 0.96, 2: 0.96},
     "k = 2 best by 5% over k = 1 (the untrained 2-layer 2048-token cell)": {0: 0.86, 1: 0.95, 2: 1.0},
     "k = 2 best by 28% over k = 1 (the trained 8-layer 128-token cell)": {0: 0.56, 1: 0.78, 2: 1.0},
+    "one MTP layer, k = 0 best by 25% (the default recipe)": {0: 1.0, 1: 0.8},
+    "one MTP layer, k = 0 best by 10%": {0: 1.0, 1: 0.91},
+    "one MTP layer, k = 1 best by 5%": {0: 0.95, 1: 1.0},
 }
 
 
@@ -58,6 +67,34 @@ def counts(k: int) -> dict:
         "draft_proposed": torch.tensor([100] * k, dtype=torch.long),
         "draft_accepted": torch.tensor([round(100 * rate) for rate in RATES[:k]], dtype=torch.long),
     }
+
+
+class WithoutConfirmation(AdaptiveSpeculation):
+    """The rule with a switch's first rollout no longer checked against the k left behind."""
+
+    def _confirm_switch(self, bucket: int, greedy: bool, state) -> None:
+        state.unconfirmed = None
+
+
+class LookBack(AdaptiveSpeculation):
+    """After a switch its first rollout confirmed, the k left behind runs once AFTER rollouts on."""
+
+    AFTER = 3
+
+    def record_rollout(self, bucket, greedy, choice, seconds, steps, tokens, counts, probe_seconds=None) -> None:
+        state = self.context(bucket, greedy)
+        unconfirmed, k = state.unconfirmed, choice.num_speculative_tokens
+        super().record_rollout(bucket, greedy, choice, seconds, steps, tokens, counts, probe_seconds)
+        if unconfirmed is not None and unconfirmed[1] == k and len(state.observations[k]) > 1:  # confirmed
+            state.look_back = (unconfirmed[0], state.rollouts + self.AFTER)
+
+    def _next_choice(self, state, expected: dict[int, float]) -> int:
+        look_back = getattr(state, "look_back", None)
+        if look_back is not None and not state.first_looks and state.rollouts >= look_back[1]:
+            state.look_back = None
+            if state.incumbent != look_back[0] and state.since_measured(look_back[0]) > self.AFTER:
+                return look_back[0]
+        return super()._next_choice(state, expected)
 
 
 class LikeForLike(AdaptiveSpeculation):
@@ -131,38 +168,43 @@ class SlowedSecondLook(AdaptiveSpeculation):
         return super()._next_choice(state, expected)
 
 
-def run(rule: type, true: dict[int, float], noise: float, seed: int, rollouts: int = 150) -> list[int]:
+def run(rule: type, true: dict[int, float], noise: float, seed: int, switch_cost: float, rollouts: int = 150) -> list[int]:
     """The k of each rollout of one seeded run."""
     rng = random.Random(seed)
-    return simulate(rule, true, lambda number: (math.exp(-noise * rng.gauss(0.0, 1.0)), None), rollouts)
+    return simulate(rule, true, lambda number: (math.exp(-noise * rng.gauss(0.0, 1.0)), None), switch_cost, rollouts)
 
 
-def simulate(rule: type, true: dict[int, float], machine, rollouts: int = 150) -> list[int]:
+def simulate(rule: type, true: dict[int, float], machine, switch_cost: float = 0.0, rollouts: int = 150) -> list[int]:
     """The k of each rollout of a run where ``machine(n)`` gives rollout n's slowness (its
     seconds over its k's typical seconds) and the machine-speed probe's reading told to the
-    rule (None: none)."""
-    tuner = rule(2)
+    rule (None: none); a change of k takes ``switch_cost`` of the best k's rollout, told to the rule."""
+    max_k = max(true)
+    tuner = rule(max_k)
     step_seconds = {k: (1 + sum(RATES[:k])) / true[k] for k in true}  # exact: tokens per step over tokens/s
-    tuner.record_profile(32, step_seconds, False, counts(2))
+    tuner.record_profile(32, step_seconds, False, counts(max_k))
     chosen = []
     for number in range(rollouts):
         choice = tuner.choose(32, False, 32)
         k = choice.num_speculative_tokens
+        if chosen and k != chosen[-1]:
+            tuner.record_switch(switch_cost * TOKENS / max(true.values()))
         slowness, probe_seconds = machine(number)
         tuner.record_rollout(32, False, choice, TOKENS * slowness / true[k], 50, TOKENS, counts(k), probe_seconds)
         chosen.append(k)
     return chosen
 
 
-def trace_table(paths: list[Path], probe_tracking: float | None) -> None:
-    """auto told the probe's readings or not, and with a slowed second look, on machines measured
+def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: float) -> None:
+    """auto told the probe's readings or not, without confirmation, with a slowed second look or a
+    look back, on machines measured
     by ``benchmarks.machine_speed --save``: one run per rollout of the trace to start at (wrapping
     round), rollout n of a run as slow as the trace's rollout there against the trace's median;
     the probe's readings the trace's, or its rollouts' slowness to the power 1 / ``probe_tracking``."""
     rules = {"as measured": (AdaptiveSpeculation, False), "read at the machine's speed (auto)": (AdaptiveSpeculation, True),
-             "read so, with a slowed second look": (SlowedSecondLook, True)}  # fmt: skip
+             "read so, without confirmation": (WithoutConfirmation, True), "read so, with a slowed second look": (SlowedSecondLook, True),
+             "read so, with a look back": (LookBack, True)}  # fmt: skip
     probes_from = "the trace's probe" if probe_tracking is None else f"a probe the rollouts track at the power {probe_tracking}"
-    print(f"\nProbe readings: {probes_from}. Cells: rollouts 4-8 mean (p10), run mean.\n")
+    print(f"\nProbe readings: {probes_from}; a change of k costs {switch_cost} of a rollout. Cells: rollouts 4-8 mean (p10), run mean.\n")
     print("| trace | case | " + " | ".join(rules) + " |\n|---|---|" + "---|" * len(rules))
     for path in paths:
         trace = json.loads(path.read_text())
@@ -175,8 +217,8 @@ def trace_table(paths: list[Path], probe_tracking: float | None) -> None:
             cells = []
             for rule, probed in rules.values():
                 told = probes if probed else [None] * len(probes)
-                runs = [simulate(rule, true, functools.partial(traced, seconds, median, told, start)) for start in range(len(seconds))]
-                cells.append(summary(true, runs))
+                runs = [simulate(rule, true, functools.partial(traced, seconds, median, told, start), switch_cost) for start in range(len(seconds))]
+                cells.append(summary(true, runs, switch_cost))
             print(f"| {path.name} ({len(seconds)} rollouts) | {case} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -186,16 +228,19 @@ def traced(seconds: list[float], median: float, probes: list, start: int, number
     return seconds[index] / median, probes[index]
 
 
-def summary(true: dict[int, float], runs: list[list[int]]) -> str:
+def summary(true: dict[int, float], runs: list[list[int]], switch_cost: float = 0.0) -> str:
     """Mean and 10th percentile of rollouts 4-8, and the mean over whole runs, of the best fixed k's tokens/s."""
-    early = sorted(realised(true, chosen[3:8]) for chosen in runs)
-    whole = statistics.mean(realised(true, chosen) for chosen in runs)
+    early = sorted(realised(true, chosen[3:8], switch_cost, chosen[2]) for chosen in runs)
+    whole = statistics.mean(realised(true, chosen, switch_cost) for chosen in runs)
     return f"{statistics.mean(early):.3f} ({early[len(early) // 10]:.3f}), {whole:.3f}"
 
 
-def realised(true: dict[int, float], chosen: list[int]) -> float:
-    """Tokens/s of these rollouts (equal tokens each) over the best fixed k's."""
-    return len(chosen) / sum(max(true.values()) / true[k] for k in chosen)
+def realised(true: dict[int, float], chosen: list[int], switch_cost: float = 0.0, before: int | None = None) -> float:
+    """Tokens/s of these rollouts (equal tokens each) over the best fixed k's, each change of k
+    (from ``before``, the k of the rollout ahead of them, where given) costing ``switch_cost`` of
+    the best k's rollout."""
+    changes = sum(previous != k for previous, k in zip([before, *chosen], chosen) if previous is not None)
+    return len(chosen) / (sum(max(true.values()) / true[k] for k in chosen) + switch_cost * changes)
 
 
 def main() -> None:
@@ -204,18 +249,20 @@ def main() -> None:
     parser.add_argument("--noise", type=float, nargs="+", default=[0.05, 0.10, 0.15], help="log-normal sigma of one rollout's speed")
     parser.add_argument("--traces", type=Path, nargs="*", default=[], help="machines measured by benchmarks.machine_speed --save: auto told its probe or not")
     parser.add_argument("--probe-tracking", type=float, help="with --traces: probe readings made from the rollouts' slowness, tracked at this power")
+    parser.add_argument("--switch-cost", type=float, default=0.0, help="a change of k, as a fraction of the best k's rollout (default recipe on a CPU: 0.12)")
     args = parser.parse_args()
     if args.traces:
-        trace_table(args.traces, args.probe_tracking)
+        trace_table(args.traces, args.probe_tracking, args.switch_cost)
         return
-    rules = {"auto": AdaptiveSpeculation, "like for like": LikeForLike, "second look": SecondLook}
+    rules = {"auto": AdaptiveSpeculation, "without confirmation": WithoutConfirmation, "look back": LookBack, "like for like": LikeForLike, "second look": SecondLook}
+    print(f"A change of k costs {args.switch_cost} of a rollout.\n")
     print("| case | noise | " + " | ".join(f"{name}: rollouts 4-8 mean (p10), run" for name in rules) + " |")
     print("|---|---|" + "---|" * len(rules))
     for case, true in CASES.items():
         for noise in args.noise:
             cells = []
             for rule in rules.values():
-                cells.append(summary(true, [run(rule, true, noise, seed) for seed in range(args.seeds)]))
+                cells.append(summary(true, [run(rule, true, noise, seed, args.switch_cost) for seed in range(args.seeds)], args.switch_cost))
             print(f"| {case} | {noise:.2f} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -35,6 +35,15 @@ of two) and per greedy/sampled (they accept differently):
   costlier one after proportionally more rollouts (``refresh_interval``: a gap of 30% with free
   switches waits 60), so its refreshes cost on average ``FAR_REFRESH_COST`` of a rollout and no
   estimate stays stale for a whole run.
+- **Confirmation.** A switch away from the incumbent is confirmed by the new k's first rollout
+  after it: if that rollout is slower than the k left behind is estimated, the new k's earlier
+  rollouts are set aside (its estimate is that rollout alone) and the estimates decide again.
+  The two sides of a switch were measured at different times: on this project's 2-core VM a slow
+  spell of a few rollouts, which the machine-speed probe hardly sees, can take all of the
+  incumbent's window while the other k's estimate rests on a look from before it (in a default
+  run, k = 0's three slowed rollouts put auto on k = 1, 1.2x slower, for 25 rollouts until k =
+  0's refresh). The new k's first rollout runs in the same state of the machine as the
+  incumbent's latest ones: slower than them, the switch rested on another state.
 
 **The bound.** After the first looks, a rollout runs either the best estimate (or an incumbent
 within ``HYSTERESIS`` of it) or a refresh of a k whose cost (gap and switches), over the
@@ -43,7 +52,10 @@ is less). So over a run, tokens/s is at least (1 - HYSTERESIS) (1 - max_k REFRES
 REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one rollout's
 tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99
 = 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each plausible k one rollout
-per context, once per run; a switch the estimates call for costs one rebuild.
+per context, once per run; a switch the estimates call for costs one rebuild. A confirmation runs
+nothing of its own: where it sets aside a faster k's rollouts wrongly (the first rollout after the
+switch unlucky), that k is back within ``REFRESH_WITHIN`` of the best estimate at once or at its
+refresh, which the bound already counts.
 
 The choice and the numbers behind it (the estimate it was chosen on; afterwards the realised
 tokens/s) are returned with the rollout and logged as ``rollout/num_speculative_tokens``,
@@ -141,6 +153,7 @@ class ContextState:
     requests_per_step: float | None = None
     rollout_seconds: float | None = None  # the latest rollout's
     first_looks: list[int] | None = None  # the k still to run once after the first rollout
+    unconfirmed: tuple[int, int] | None = None  # (the k left behind, the k switched to) until the latter's next rollout
 
     def since_measured(self, k: int) -> float:
         """Rollouts of this context since k's latest (infinite if k never ran here)."""
@@ -267,10 +280,7 @@ class AdaptiveSpeculation:
         """Tokens/s of every candidate: measured ones from their realised rollouts scaled by the
         acceptance's move since, the others from the prior scaled to the latest measured k."""
         state, tokens = self.context(bucket, greedy), self.tokens_per_request_step(greedy)
-        measured = {
-            k: max(obs.tokens_per_s * tokens[k] / obs.tokens_per_request_step for obs in observations)
-            for k, observations in state.observations.items()
-        }
+        measured = {k: max(_at_acceptance(obs, tokens[k]) for obs in observations) for k, observations in state.observations.items()}
         prior = self.prior(bucket, greedy, num_requests)
         if not measured:
             return prior
@@ -295,6 +305,8 @@ class AdaptiveSpeculation:
         best = max(self.candidates, key=lambda k: (expected[k], -k))
         if expected[state.incumbent] * (1.0 + HYSTERESIS) >= expected[best]:
             best = state.incumbent
+        if best != state.incumbent:
+            state.unconfirmed = (state.incumbent, best)
         state.incumbent = best
         switch_cost = self.switch_cost(state)
         due = [k for k in self.candidates if k != best and _refresh_due(state, k, expected[k] / expected[best], switch_cost)]
@@ -329,6 +341,24 @@ class AdaptiveSpeculation:
         observation = Observation(state.rollouts, tokens / max(seconds, 1e-9) / self.speed, tokens_per_request_step)
         state.observations.setdefault(k, collections.deque(maxlen=WINDOW)).append(observation)
         state.requests_per_step = tokens / (max(steps, 1) * tokens_per_request_step)
+        if state.unconfirmed is not None and state.unconfirmed[1] == k:
+            self._confirm_switch(bucket, greedy, state)
+
+    def _confirm_switch(self, bucket: int, greedy: bool, state: ContextState) -> None:
+        """The switched-to k's first rollout since the switch against the k left behind
+        (module docstring, "Confirmation"): slower, and the k's earlier rollouts are set aside."""
+        left_behind, k = state.unconfirmed
+        state.unconfirmed = None
+        latest = state.observations[k][-1]
+        if _at_acceptance(latest, self.tokens_per_request_step(greedy)[k]) < self.estimates(bucket, greedy, 1)[left_behind]:
+            logger.debug("auto: k = %d's first rollout after the switch ran slower than k = %d's estimate; its earlier rollouts set aside", k, left_behind)
+            state.observations[k] = collections.deque([latest], maxlen=WINDOW)
+
+
+def _at_acceptance(observation: Observation, tokens_per_request_step: float) -> float:
+    """An observation's tokens/s scaled to the acceptance now (``tokens_per_request_step``, 1 +
+    sum rho_i): the heads train between rollouts; costs per step are taken as measured."""
+    return observation.tokens_per_s * tokens_per_request_step / observation.tokens_per_request_step
 
 
 AUTO = "auto"

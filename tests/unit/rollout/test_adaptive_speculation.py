@@ -202,6 +202,31 @@ def test_two_slowed_rollouts_of_three_do_not_hide_a_ks_speed():
     assert tuner.choose(32, False, 32).num_speculative_tokens == 0
 
 
+def _run_through_a_slow_spell(spell: list[float], confirmed: bool = True) -> list[int]:
+    """k = 0 runs at 1,000 tokens/s, k = 1 at 800/s; after the first choice (k = 1, the profile's),
+    the first look (k = 0) and one settled rollout of k = 0, the machine runs at ``spell[n]`` x its
+    speed in rollout 4 + n, whichever k runs (the probe not told: it hardly sees such spells), at
+    full speed after. The k of 12 rollouts; ``confirmed=False`` switches confirmation off."""
+    tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
+    if not confirmed:
+        tuner._confirm_switch = lambda bucket, greedy, state: None
+    speeds = [1.0, 1.0, 1.0, *spell, *[1.0] * (9 - len(spell))]
+    return [_rollout(tuner, {0: 1000.0 * speed, 1: 800.0 * speed}) for speed in speeds]
+
+
+def test_a_switch_made_in_a_slow_spell_is_undone_by_the_new_ks_first_rollout():
+    """The default run traced on 2026-12-06: three rollouts of k = 0 in a slow spell (600/s) fill
+    its window, so k = 0's estimate (600) falls under k = 1's look from before the spell (800) and
+    auto switches to k = 1; the spell lasts one more rollout (k = 1 at 480/s). That rollout, slower
+    than k = 0's estimate, sets k = 1's look aside, and auto is back on k = 0 at the next rollout.
+    Control: without the confirmation auto stays on k = 1 (k = 0's refresh is far: 0.25 of a
+    rollout's gap / FAR_REFRESH_COST = 50 rollouts). And where the spell ends with the switch
+    (k = 1's rollout at its 800/s, faster than k = 0's 600), the switch stands."""
+    assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6]) == [1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6], confirmed=False) == [1, 0, 0, 0, 0, 0, *[1] * 6]  # the control
+    assert _run_through_a_slow_spell([0.6, 0.6, 0.6]) == [1, 0, 0, 0, 0, 0, *[1] * 6]
+
+
 def _rollouts_at_speeds(tokens_per_s: dict[int, float], speeds: list[float], probed: bool) -> list[int]:
     """Rollouts as ``_rollout``'s on a machine running at ``speeds[n]`` x its first rollout's speed
     in rollout n: a rollout realises that share of ``tokens_per_s[k]`` and, where ``probed``, the
