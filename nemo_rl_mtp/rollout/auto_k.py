@@ -53,9 +53,9 @@ REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one 
 tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99
 = 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each plausible k one rollout
 per context, once per run; a switch the estimates call for costs one rebuild. A confirmation runs
-nothing of its own: where it sets aside a faster k's rollouts wrongly (the first rollout after the
-switch unlucky), that k is back within ``REFRESH_WITHIN`` of the best estimate at once or at its
-refresh, which the bound already counts.
+nothing of its own; where it sets aside a faster k's rollouts wrongly (its first rollout after the
+switch unlucky), that k is estimated from the unlucky rollout until it runs again: an error of
+one rollout's measurement, which the bound leaves out as it does any other.
 
 The choice and the numbers behind it (the estimate it was chosen on; afterwards the realised
 tokens/s) are returned with the rollout and logged as ``rollout/num_speculative_tokens``,
