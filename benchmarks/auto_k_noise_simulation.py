@@ -7,7 +7,9 @@ benchmark's five timed rollouts after its three untimed ones) and over 150 rollo
     uv run python -m benchmarks.auto_k_noise_simulation --traces trace.json [...]
 
 With ``--traces``, the noise is a measured machine's instead (``benchmarks.machine_speed --save``:
-one engine's rollouts of the same work, and the machine-speed probe's reading for each): auto as
+one engine's rollouts of the same work, and the machine-speed probe's reading for each; or a GRPO
+run's ``metrics.jsonl``: its rollouts at k = 0 after the first five, by ``rollout/engine_tokens_per_s``,
+no probe readings): auto as
 it was before the probe (its rollouts' tokens/s as measured), auto told the probe's readings
 (``nemo_rl_mtp.rollout.machine_speed``), and auto told them with a **slowed second look**: a k
 looked at once in a state of the machine slower than the best estimate's rollout (its probe 5%
@@ -17,10 +19,14 @@ trace's probe readings by its rollouts' slowness to the power 1 / P with 2% seed
 machine whose rollouts track the probe at the power P.
 
 ``--switch-cost C`` charges every change of k C of the best k's rollout (an engine rebuilt;
-about 0.12 in the default recipe on a CPU) and tells the rule, as the engine does. Both tables
-also run the rule **without confirmation** (a switch is no longer checked against the new k's
-first rollout after it: the rule before 2026-12-06) and with a **look back** (after a switch the
-new k's first rollout confirmed, the k left behind runs once three rollouts later), not adopted.
+about 0.12 in the default recipe on a CPU) and tells the rule, as the engine does.
+``--slow-start`` makes a run's first rollouts slower (rollouts 2-11 at 0.5-0.95 of full speed, as
+the start of some default GRPO runs on this CPU) and the profile favour drafting (k >= 1's step
+costs read 0.7x: the default recipe's profile put k = 1 first where k = 0 was 1.2x faster). Both
+tables also run the rule **without confirmation** (a switch is no longer checked against the new
+k's first rollout after it), **without the second look at k = 0** (both in the rule since
+2026-12-06), and with a **look back** (after a switch the new k's first rollout confirmed, the k
+left behind runs once three rollouts later), not adopted.
 
 The other variants, written here as subclasses, are remedies proposed for its misses in near ties
 (docs/results.md, "engines stepped in turn"; the slowed second look above, "what the probe sees
@@ -47,6 +53,8 @@ from pathlib import Path
 
 import torch
 
+from nemo_rl_mtp.metrics import ENGINE_TOKENS_PER_S, NUM_SPECULATIVE_TOKENS, ROLLOUT
+from nemo_rl_mtp.reporting.logger import read_metrics
 from nemo_rl_mtp.rollout.auto_k import HYSTERESIS, REFRESH_WITHIN, AdaptiveSpeculation
 from nemo_rl_mtp.rollout.machine_speed import TRACKING
 
@@ -74,6 +82,14 @@ class WithoutConfirmation(AdaptiveSpeculation):
 
     def _confirm_switch(self, bucket: int, greedy: bool, state) -> None:
         state.unconfirmed = None
+
+
+class WithoutSecondLookAtZero(AdaptiveSpeculation):
+    """The rule with k = 0's first look not repeated."""
+
+    @staticmethod
+    def _second_look_at_zero_due(state) -> bool:
+        return False
 
 
 class LookBack(AdaptiveSpeculation):
@@ -168,19 +184,27 @@ class SlowedSecondLook(AdaptiveSpeculation):
         return super()._next_choice(state, expected)
 
 
-def run(rule: type, true: dict[int, float], noise: float, seed: int, switch_cost: float, rollouts: int = 150) -> list[int]:
+# A slow start (``--slow-start``): the speed of a run's rollouts 1-11, and the profile's reading of
+# a drafting step's cost over its true cost.
+START_SPEED = (1.0, 0.5, 0.6, 0.7, 0.65, 0.8, 0.75, 0.85, 0.9, 0.85, 0.95)
+START_PROFILE_ERROR = 0.7
+
+
+def run(rule: type, true: dict[int, float], noise: float, seed: int, switch_cost: float, slow_start: bool, rollouts: int = 150) -> list[int]:
     """The k of each rollout of one seeded run."""
     rng = random.Random(seed)
-    return simulate(rule, true, lambda number: (math.exp(-noise * rng.gauss(0.0, 1.0)), None), switch_cost, rollouts)
+    return simulate(rule, true, lambda number: (math.exp(-noise * rng.gauss(0.0, 1.0)), None), switch_cost, slow_start, rollouts)
 
 
-def simulate(rule: type, true: dict[int, float], machine, switch_cost: float = 0.0, rollouts: int = 150) -> list[int]:
+def simulate(rule: type, true: dict[int, float], machine, switch_cost: float = 0.0, slow_start: bool = False, rollouts: int = 150) -> list[int]:
     """The k of each rollout of a run where ``machine(n)`` gives rollout n's slowness (its
     seconds over its k's typical seconds) and the machine-speed probe's reading told to the
-    rule (None: none); a change of k takes ``switch_cost`` of the best k's rollout, told to the rule."""
+    rule (None: none); a change of k takes ``switch_cost`` of the best k's rollout, told to the
+    rule; with ``slow_start``, the run's first rollouts slowed and the profile favouring drafts."""
     max_k = max(true)
     tuner = rule(max_k)
-    step_seconds = {k: (1 + sum(RATES[:k])) / true[k] for k in true}  # exact: tokens per step over tokens/s
+    profile_error = START_PROFILE_ERROR if slow_start else 1.0
+    step_seconds = {k: (1 + sum(RATES[:k])) / true[k] * (profile_error if k else 1.0) for k in true}  # tokens per step over tokens/s
     tuner.record_profile(32, step_seconds, False, counts(max_k))
     chosen = []
     for number in range(rollouts):
@@ -189,37 +213,52 @@ def simulate(rule: type, true: dict[int, float], machine, switch_cost: float = 0
         if chosen and k != chosen[-1]:
             tuner.record_switch(switch_cost * TOKENS / max(true.values()))
         slowness, probe_seconds = machine(number)
+        if slow_start and number < len(START_SPEED):
+            slowness /= START_SPEED[number]
         tuner.record_rollout(32, False, choice, TOKENS * slowness / true[k], 50, TOKENS, counts(k), probe_seconds)
         chosen.append(k)
     return chosen
 
 
-def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: float) -> None:
+def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: float, slow_start: bool) -> None:
     """auto told the probe's readings or not, without confirmation, with a slowed second look or a
     look back, on machines measured
     by ``benchmarks.machine_speed --save``: one run per rollout of the trace to start at (wrapping
     round), rollout n of a run as slow as the trace's rollout there against the trace's median;
     the probe's readings the trace's, or its rollouts' slowness to the power 1 / ``probe_tracking``."""
     rules = {"as measured": (AdaptiveSpeculation, False), "read at the machine's speed (auto)": (AdaptiveSpeculation, True),
-             "read so, without confirmation": (WithoutConfirmation, True), "read so, with a slowed second look": (SlowedSecondLook, True),
+             "read so, without confirmation": (WithoutConfirmation, True), "read so, without the second look at k = 0": (WithoutSecondLookAtZero, True),
+             "read so, with a slowed second look": (SlowedSecondLook, True),
              "read so, with a look back": (LookBack, True)}  # fmt: skip
     probes_from = "the trace's probe" if probe_tracking is None else f"a probe the rollouts track at the power {probe_tracking}"
-    print(f"\nProbe readings: {probes_from}; a change of k costs {switch_cost} of a rollout. Cells: rollouts 4-8 mean (p10), run mean.\n")
+    start = "; runs start slow, the profile favouring drafts" if slow_start else ""
+    print(f"\nProbe readings: {probes_from}; a change of k costs {switch_cost} of a rollout{start}. Cells: rollouts 4-8 mean (p10), run mean.\n")
     print("| trace | case | " + " | ".join(rules) + " |\n|---|---|" + "---|" * len(rules))
     for path in paths:
-        trace = json.loads(path.read_text())
-        seconds, probes = trace["rollout_seconds"], trace["probe_seconds"]
+        seconds, probes = load_trace(path)
         median = statistics.median(seconds)
-        if probe_tracking is not None:
+        if probe_tracking is not None and None not in probes:
             rng = random.Random(0)
             probes = [probes[0] * (value / median) ** (1.0 / probe_tracking) * (1.0 + 0.02 * rng.gauss(0.0, 1.0)) for value in seconds]
         for case, true in CASES.items():
             cells = []
             for rule, probed in rules.values():
                 told = probes if probed else [None] * len(probes)
-                runs = [simulate(rule, true, functools.partial(traced, seconds, median, told, start), switch_cost) for start in range(len(seconds))]
+                runs = [simulate(rule, true, functools.partial(traced, seconds, median, told, start), switch_cost, slow_start) for start in range(len(seconds))]
                 cells.append(summary(true, runs, switch_cost))
-            print(f"| {path.name} ({len(seconds)} rollouts) | {case} | " + " | ".join(cells) + " |", flush=True)
+            print(f"| {path.parent.name}/{path.name} ({len(seconds)} rollouts) | {case} | " + " | ".join(cells) + " |", flush=True)
+
+
+def load_trace(path: Path) -> tuple[list[float], list[float | None]]:
+    """A trace's rollout seconds and probe readings: ``machine_speed --save``'s JSON, or a GRPO
+    run's ``metrics.jsonl`` (its k = 0 rollouts after the first five, whose seconds are taken as
+    one over their tokens/s: the same work each; no probe readings)."""
+    if path.suffix != ".jsonl":
+        trace = json.loads(path.read_text())
+        return trace["rollout_seconds"], trace["probe_seconds"]
+    rows = [row for row in read_metrics(path) if ROLLOUT + NUM_SPECULATIVE_TOKENS in row][5:]
+    seconds = [1.0 / row[ROLLOUT + ENGINE_TOKENS_PER_S] for row in rows if row[ROLLOUT + NUM_SPECULATIVE_TOKENS] == 0]
+    return seconds, [None] * len(seconds)
 
 
 def traced(seconds: list[float], median: float, probes: list, start: int, number: int) -> tuple[float, float | None]:
@@ -249,20 +288,22 @@ def main() -> None:
     parser.add_argument("--noise", type=float, nargs="+", default=[0.05, 0.10, 0.15], help="log-normal sigma of one rollout's speed")
     parser.add_argument("--traces", type=Path, nargs="*", default=[], help="machines measured by benchmarks.machine_speed --save: auto told its probe or not")
     parser.add_argument("--probe-tracking", type=float, help="with --traces: probe readings made from the rollouts' slowness, tracked at this power")
+    parser.add_argument("--slow-start", action="store_true", help="runs' first rollouts slowed and the profile favouring drafts (module docstring)")
     parser.add_argument("--switch-cost", type=float, default=0.0, help="a change of k, as a fraction of the best k's rollout (default recipe on a CPU: 0.12)")
     args = parser.parse_args()
     if args.traces:
-        trace_table(args.traces, args.probe_tracking, args.switch_cost)
+        trace_table(args.traces, args.probe_tracking, args.switch_cost, args.slow_start)
         return
-    rules = {"auto": AdaptiveSpeculation, "without confirmation": WithoutConfirmation, "look back": LookBack, "like for like": LikeForLike, "second look": SecondLook}
-    print(f"A change of k costs {args.switch_cost} of a rollout.\n")
+    rules = {"auto": AdaptiveSpeculation, "without confirmation": WithoutConfirmation, "without the second look at k = 0": WithoutSecondLookAtZero,
+             "look back": LookBack, "like for like": LikeForLike, "second look": SecondLook}  # fmt: skip
+    print(f"A change of k costs {args.switch_cost} of a rollout{'; runs start slow, the profile favouring drafts' if args.slow_start else ''}.\n")
     print("| case | noise | " + " | ".join(f"{name}: rollouts 4-8 mean (p10), run" for name in rules) + " |")
     print("|---|---|" + "---|" * len(rules))
     for case, true in CASES.items():
         for noise in args.noise:
             cells = []
             for rule in rules.values():
-                cells.append(summary(true, [run(rule, true, noise, seed, args.switch_cost) for seed in range(args.seeds)], args.switch_cost))
+                cells.append(summary(true, [run(rule, true, noise, seed, args.switch_cost, args.slow_start) for seed in range(args.seeds)], args.switch_cost))
             print(f"| {case} | {noise:.2f} | " + " | ".join(cells) + " |", flush=True)
 
 

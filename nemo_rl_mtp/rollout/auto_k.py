@@ -35,6 +35,13 @@ of two) and per greedy/sampled (they accept differently):
   costlier one after proportionally more rollouts (``refresh_interval``: a gap of 30% with free
   switches waits 60), so its refreshes cost on average ``FAR_REFRESH_COST`` of a rollout and no
   estimate stays stale for a whole run.
+- **k = 0 looked at twice.** k = 0, if auto has moved on and it has run only its first look, runs
+  once more ``REFRESH_EVERY`` rollouts after it. The first looks come at the start of a run,
+  where on a CPU the process is still warming up (in 3 of 6 default runs on 2026-12-06 rollouts
+  2-6 ran at 0.45-0.7x their later speed), and on this CPU the profile's prior favours drafting:
+  in 2 of those 6 runs k = 0's one look landed there and auto ran k = 1, 1.2x slower, for 45 and
+  70 rollouts until k = 0's refresh (its gap plus two rebuilds, at ``FAR_REFRESH_COST``). k = 0
+  is what auto must never lose to; the second look costs its gap and two switches, once.
 - **Confirmation.** A switch away from the incumbent is confirmed by the new k's first rollout
   after it: if that rollout is slower than the k left behind is estimated, the new k's earlier
   rollouts are set aside (its estimate is that rollout alone) and the estimates decide again.
@@ -52,7 +59,7 @@ is less). So over a run, tokens/s is at least (1 - HYSTERESIS) (1 - max_k REFRES
 REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one rollout's
 tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99
 = 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each plausible k one rollout
-per context, once per run; a switch the estimates call for costs one rebuild. A confirmation runs
+per context (k = 0 two), once per run; a switch the estimates call for costs one rebuild. A confirmation runs
 nothing of its own; where it sets aside a faster k's rollouts wrongly (its first rollout after the
 switch unlucky), that k is estimated from the unlucky rollout until it runs again: an error of
 one rollout's measurement, which the bound leaves out as it does any other.
@@ -154,6 +161,7 @@ class ContextState:
     rollout_seconds: float | None = None  # the latest rollout's
     first_looks: list[int] | None = None  # the k still to run once after the first rollout
     unconfirmed: tuple[int, int] | None = None  # (the k left behind, the k switched to) until the latter's next rollout
+    second_look_at_zero: bool = False  # whether k = 0's first look has been repeated (or needs no repeat)
 
     def since_measured(self, k: int) -> float:
         """Rollouts of this context since k's latest (infinite if k never ran here)."""
@@ -308,9 +316,20 @@ class AdaptiveSpeculation:
         if best != state.incumbent:
             state.unconfirmed = (state.incumbent, best)
         state.incumbent = best
+        if self._second_look_at_zero_due(state):
+            state.second_look_at_zero = True
+            return 0
         switch_cost = self.switch_cost(state)
         due = [k for k in self.candidates if k != best and _refresh_due(state, k, expected[k] / expected[best], switch_cost)]
         return max(due, key=state.since_measured) if due else best
+
+    @staticmethod
+    def _second_look_at_zero_due(state: ContextState) -> bool:
+        """Whether k = 0, not the incumbent and run only for its first look, is due its second
+        look (module docstring, "k = 0 looked at twice"): ``REFRESH_EVERY`` rollouts after it."""
+        if state.second_look_at_zero or state.incumbent == 0 or len(state.observations.get(0, ())) != 1:
+            return False
+        return state.since_measured(0) + 1 >= REFRESH_EVERY
 
     def record_rollout(
         self, bucket: int, greedy: bool, choice: Choice, seconds: float, steps: int, tokens: int, counts: dict, probe_seconds: float | None = None
