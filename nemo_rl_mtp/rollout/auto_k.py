@@ -161,7 +161,7 @@ class ContextState:
     rollout_seconds: float | None = None  # the latest rollout's
     first_looks: list[int] | None = None  # the k still to run once after the first rollout
     unconfirmed: tuple[int, int] | None = None  # (the k left behind, the k switched to) until the latter's next rollout
-    second_look_at_zero: bool = False  # whether k = 0's first look has been repeated (or needs no repeat)
+    second_look_at_zero: bool = False  # whether k = 0's first look has been repeated
 
     def since_measured(self, k: int) -> float:
         """Rollouts of this context since k's latest (infinite if k never ran here)."""
