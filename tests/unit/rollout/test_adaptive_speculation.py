@@ -272,18 +272,25 @@ def test_the_machine_speed_probe_costs_about_its_share_of_the_stepped_time():
     """400 steps of real work (a matrix product chain, about 1 ms each): the probes, run as a
     rollout's steps report in, take between half and twice ``PROBE_SHARE`` of the steps' CPU
     time (they are timed with it; the machine's drift moves probe and steps alike), and a reading
-    taken after the first probe is a median of probes that ran."""
-    probe = machine_speed.SpeedProbe(time.thread_time)
-    matrix = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) / 128**0.5
-    stepped = 0.0
-    for _ in range(400):
-        start = time.thread_time()
-        product = matrix
-        for _ in range(20):
-            product = product @ matrix
-        seconds = time.thread_time() - start
-        stepped += seconds
-        probe.after_step(seconds)
+    taken after the first probe is a median of probes that ran. One torch thread, as a CPU run
+    has and as the thread's clock assumes (with more, the thread's time counts its spinning while
+    it waits for the others, which a busy machine stretches)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        probe = machine_speed.SpeedProbe(time.thread_time)
+        matrix = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) / 128**0.5
+        stepped = 0.0
+        for _ in range(400):
+            start = time.thread_time()
+            product = matrix
+            for _ in range(20):
+                product = product @ matrix
+            seconds = time.thread_time() - start
+            stepped += seconds
+            probe.after_step(seconds)
+    finally:
+        torch.set_num_threads(threads)
     share = sum(probe.samples) / stepped
     assert 0.5 * machine_speed.PROBE_SHARE <= share <= 2.0 * machine_speed.PROBE_SHARE, (share, probe.taken)
     assert min(probe.samples) <= probe.reading(probe.taken - 1) <= max(probe.samples)
