@@ -55,7 +55,7 @@ import torch
 
 from nemo_rl_mtp.metrics import ENGINE_TOKENS_PER_S, NUM_SPECULATIVE_TOKENS, ROLLOUT
 from nemo_rl_mtp.reporting.logger import read_metrics
-from nemo_rl_mtp.rollout.auto_k import HYSTERESIS, REFRESH_WITHIN, AdaptiveSpeculation
+from nemo_rl_mtp.rollout.auto_k import REFRESH_WITHIN, AdaptiveSpeculation
 from nemo_rl_mtp.rollout.machine_speed import TRACKING
 
 RATES = (0.9, 0.8)  # acceptance per draft depth
@@ -135,16 +135,13 @@ class SecondLook(AdaptiveSpeculation):
 
     def _next_choice(self, state, expected: dict[int, float]) -> int:
         if not state.first_looks:
-            best = max(self.candidates, key=lambda k: (expected[k], -k))
-            if expected[state.incumbent] * (1.0 + HYSTERESIS) >= expected[best]:
-                best = state.incumbent
+            best = self._settle_incumbent(state, expected)
             once = [
                 k for k in self.candidates
                 if k != best and len(state.observations.get(k, ())) == 1
                 and expected[k] >= (1.0 - REFRESH_WITHIN) * expected[best] and state.since_measured(k) >= 2
             ]
             if once:
-                state.incumbent = best
                 return once[0]
         return super()._next_choice(state, expected)
 
@@ -167,9 +164,7 @@ class SlowedSecondLook(AdaptiveSpeculation):
     def _next_choice(self, state, expected: dict[int, float]) -> int:
         if state.first_looks:
             return super()._next_choice(state, expected)
-        best = max(self.candidates, key=lambda k: (expected[k], -k))
-        if expected[state.incumbent] * (1.0 + HYSTERESIS) >= expected[best]:
-            best = state.incumbent
+        best = self._settle_incumbent(state, expected)
         if best not in state.observations:
             return super()._next_choice(state, expected)
         reference = self.slowdowns[max(state.observations[best], key=lambda obs: obs.tokens_per_s / obs.tokens_per_request_step).number]
@@ -179,7 +174,6 @@ class SlowedSecondLook(AdaptiveSpeculation):
                 k != best and len(state.observations[k]) == 1 and slowdown >= (1.0 + self.SLOWER_STATE) * reference
                 and expected[k] * (slowdown / reference) ** (self.TRACKING_HIGHEST - TRACKING) >= expected[best]
             ):  # fmt: skip
-                state.incumbent = best
                 return k
         return super()._next_choice(state, expected)
 

@@ -310,18 +310,24 @@ class AdaptiveSpeculation:
     def _next_choice(self, state: ContextState, expected: dict[int, float]) -> int:
         if state.first_looks:
             return state.first_looks[0]
-        best = max(self.candidates, key=lambda k: (expected[k], -k))
-        if expected[state.incumbent] * (1.0 + HYSTERESIS) >= expected[best]:
-            best = state.incumbent
-        if best != state.incumbent:
-            state.unconfirmed = (state.incumbent, best)
-        state.incumbent = best
+        best = self._settle_incumbent(state, expected)
         if self._second_look_at_zero_due(state):
             state.second_look_at_zero = True
             return 0
         switch_cost = self.switch_cost(state)
         due = [k for k in self.candidates if k != best and _refresh_due(state, k, expected[k] / expected[best], switch_cost)]
         return max(due, key=state.since_measured) if due else best
+
+    def _settle_incumbent(self, state: ContextState, expected: dict[int, float]) -> int:
+        """The k with the best estimate, the incumbent kept unless beaten by ``HYSTERESIS``; a new
+        incumbent awaits its confirmation (module docstring). Calling it again changes nothing."""
+        best = max(self.candidates, key=lambda k: (expected[k], -k))
+        if expected[state.incumbent] * (1.0 + HYSTERESIS) >= expected[best]:
+            best = state.incumbent
+        if best != state.incumbent:
+            state.unconfirmed = (state.incumbent, best)
+        state.incumbent = best
+        return best
 
     @staticmethod
     def _second_look_at_zero_due(state: ContextState) -> bool:
