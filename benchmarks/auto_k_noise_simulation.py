@@ -20,12 +20,16 @@ machine whose rollouts track the probe at the power P.
 
 ``--switch-cost C`` charges every change of k C of the best k's rollout (an engine rebuilt;
 about 0.12 in the default recipe on a CPU) and tells the rule, as the engine does.
+``--prior-noise S`` puts each k's profiled step cost off by a seeded log-normal factor of sigma
+S (this CPU's profiles of one cell read c_2 / c_0 from 2.6 to 3.0 on 2026-12-06).
 ``--slow-start`` makes a run's first rollouts slower (rollouts 2-11 at 0.5-0.95 of full speed, as
 the start of some default GRPO runs on this CPU) and the profile favour drafting (k >= 1's step
 costs read 0.7x: the default recipe's profile put k = 1 first where k = 0 was 1.2x faster). Both
 tables also run the rule **without confirmation** (a switch is no longer checked against the new
 k's first rollout after it), **without the second look at k = 0** (both in the rule since
-2026-12-06), and with a **look back** (after a switch the new k's first rollout confirmed, the k
+2026-12-06), with **the prior's best first** (the first looks' order until 2026-12-06: the
+prior's best, then k = 0, then the others; the rule runs the prior's best last), and with a
+**look back** (after a switch the new k's first rollout confirmed, the k
 left behind runs once three rollouts later), not adopted.
 
 The other variants, written here as subclasses, are remedies proposed for its misses in near ties
@@ -90,6 +94,23 @@ class WithoutSecondLookAtZero(AdaptiveSpeculation):
     @staticmethod
     def _second_look_at_zero_due(state) -> bool:
         return False
+
+
+class PriorsBestFirst(AdaptiveSpeculation):
+    """The first looks as until 2026-12-06: the prior's best first (and the incumbent), then k = 0,
+    then the other plausible k from the most promising down."""
+
+    def _first_looks(self, expected: dict[int, float]) -> list[int]:
+        *others, best = super()._first_looks(expected)
+        return [best, *sorted(others, key=lambda k: (k != 0, -expected[k]))]
+
+    def choose(self, bucket: int, greedy: bool, num_requests: int):
+        state = self.context(bucket, greedy)
+        first = state.first_looks is None
+        choice = super().choose(bucket, greedy, num_requests)
+        if first:
+            state.incumbent = choice.num_speculative_tokens
+        return choice
 
 
 class LookBack(AdaptiveSpeculation):
@@ -184,21 +205,31 @@ START_SPEED = (1.0, 0.5, 0.6, 0.7, 0.65, 0.8, 0.75, 0.85, 0.9, 0.85, 0.95)
 START_PROFILE_ERROR = 0.7
 
 
-def run(rule: type, true: dict[int, float], noise: float, seed: int, switch_cost: float, slow_start: bool, rollouts: int = 150) -> list[int]:
+def run(
+    rule: type, true: dict[int, float], noise: float, seed: int, switch_cost: float, slow_start: bool, prior_noise: float = 0.0, rollouts: int = 150
+) -> list[int]:
     """The k of each rollout of one seeded run."""
     rng = random.Random(seed)
-    return simulate(rule, true, lambda number: (math.exp(-noise * rng.gauss(0.0, 1.0)), None), switch_cost, slow_start, rollouts)
+    machine = lambda number: (math.exp(-noise * rng.gauss(0.0, 1.0)), None)  # noqa: E731
+    return simulate(rule, true, machine, switch_cost, slow_start, prior_noise, seed, rollouts)
 
 
-def simulate(rule: type, true: dict[int, float], machine, switch_cost: float = 0.0, slow_start: bool = False, rollouts: int = 150) -> list[int]:
+def simulate(
+    rule: type, true: dict[int, float], machine, switch_cost: float = 0.0, slow_start: bool = False, prior_noise: float = 0.0, prior_seed: int = 0,
+    rollouts: int = 150,
+) -> list[int]:
     """The k of each rollout of a run where ``machine(n)`` gives rollout n's slowness (its
     seconds over its k's typical seconds) and the machine-speed probe's reading told to the
     rule (None: none); a change of k takes ``switch_cost`` of the best k's rollout, told to the
-    rule; with ``slow_start``, the run's first rollouts slowed and the profile favouring drafts."""
+    rule; with ``slow_start``, the run's first rollouts slowed and the profile favouring drafts;
+    each k's profiled step cost off by log-normal ``prior_noise`` (seeded by ``prior_seed``)."""
     max_k = max(true)
     tuner = rule(max_k)
     profile_error = START_PROFILE_ERROR if slow_start else 1.0
-    step_seconds = {k: (1 + sum(RATES[:k])) / true[k] * (profile_error if k else 1.0) for k in true}  # tokens per step over tokens/s
+    prior_rng = random.Random(10_000 + prior_seed)
+    step_seconds = {  # tokens per step over tokens/s
+        k: (1 + sum(RATES[:k])) / true[k] * (profile_error if k else 1.0) * math.exp(prior_noise * prior_rng.gauss(0.0, 1.0)) for k in true
+    }
     tuner.record_profile(32, step_seconds, False, counts(max_k))
     chosen = []
     for number in range(rollouts):
@@ -214,7 +245,7 @@ def simulate(rule: type, true: dict[int, float], machine, switch_cost: float = 0
     return chosen
 
 
-def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: float, slow_start: bool) -> None:
+def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: float, slow_start: bool, prior_noise: float) -> None:
     """auto told the probe's readings or not, without confirmation, with a slowed second look or a
     look back, on machines measured
     by ``benchmarks.machine_speed --save``: one run per rollout of the trace to start at (wrapping
@@ -222,10 +253,10 @@ def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: fl
     the probe's readings the trace's, or its rollouts' slowness to the power 1 / ``probe_tracking``."""
     rules = {"as measured": (AdaptiveSpeculation, False), "read at the machine's speed (auto)": (AdaptiveSpeculation, True),
              "read so, without confirmation": (WithoutConfirmation, True), "read so, without the second look at k = 0": (WithoutSecondLookAtZero, True),
-             "read so, with a slowed second look": (SlowedSecondLook, True),
+             "read so, the prior's best first": (PriorsBestFirst, True), "read so, with a slowed second look": (SlowedSecondLook, True),
              "read so, with a look back": (LookBack, True)}  # fmt: skip
     probes_from = "the trace's probe" if probe_tracking is None else f"a probe the rollouts track at the power {probe_tracking}"
-    start = "; runs start slow, the profile favouring drafts" if slow_start else ""
+    start = ("; runs start slow, the profile favouring drafts" if slow_start else "") + (f"; profile off by {prior_noise} (log-normal)" if prior_noise else "")
     print(f"\nProbe readings: {probes_from}; a change of k costs {switch_cost} of a rollout{start}. Cells: rollouts 4-8 mean (p10), run mean.\n")
     print("| trace | case | " + " | ".join(rules) + " |\n|---|---|" + "---|" * len(rules))
     for path in paths:
@@ -238,7 +269,8 @@ def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: fl
             cells = []
             for rule, probed in rules.values():
                 told = probes if probed else [None] * len(probes)
-                runs = [simulate(rule, true, functools.partial(traced, seconds, median, told, start), switch_cost, slow_start) for start in range(len(seconds))]
+                machines = [functools.partial(traced, seconds, median, told, start) for start in range(len(seconds))]
+                runs = [simulate(rule, true, machine, switch_cost, slow_start, prior_noise, start) for start, machine in enumerate(machines)]
                 cells.append(summary(true, runs, switch_cost))
             print(f"| {path.parent.name}/{path.name} ({len(seconds)} rollouts) | {case} | " + " | ".join(cells) + " |", flush=True)
 
@@ -284,20 +316,23 @@ def main() -> None:
     parser.add_argument("--probe-tracking", type=float, help="with --traces: probe readings made from the rollouts' slowness, tracked at this power")
     parser.add_argument("--slow-start", action="store_true", help="runs' first rollouts slowed and the profile favouring drafts (module docstring)")
     parser.add_argument("--switch-cost", type=float, default=0.0, help="a change of k, as a fraction of the best k's rollout (default recipe on a CPU: 0.12)")
+    parser.add_argument("--prior-noise", type=float, default=0.0, help="log-normal sigma of each k's profiled step cost (this CPU's profiles: about 0.07)")
     args = parser.parse_args()
     if args.traces:
-        trace_table(args.traces, args.probe_tracking, args.switch_cost, args.slow_start)
+        trace_table(args.traces, args.probe_tracking, args.switch_cost, args.slow_start, args.prior_noise)
         return
     rules = {"auto": AdaptiveSpeculation, "without confirmation": WithoutConfirmation, "without the second look at k = 0": WithoutSecondLookAtZero,
-             "look back": LookBack, "like for like": LikeForLike, "second look": SecondLook}  # fmt: skip
-    print(f"A change of k costs {args.switch_cost} of a rollout{'; runs start slow, the profile favouring drafts' if args.slow_start else ''}.\n")
+             "the prior's best first": PriorsBestFirst, "look back": LookBack, "like for like": LikeForLike, "second look": SecondLook}  # fmt: skip
+    slow = "; runs start slow, the profile favouring drafts" if args.slow_start else ""
+    print(f"A change of k costs {args.switch_cost} of a rollout{slow}; the profile off by {args.prior_noise} (log-normal).\n")
     print("| case | noise | " + " | ".join(f"{name}: rollouts 4-8 mean (p10), run" for name in rules) + " |")
     print("|---|---|" + "---|" * len(rules))
     for case, true in CASES.items():
         for noise in args.noise:
             cells = []
             for rule in rules.values():
-                cells.append(summary(true, [run(rule, true, noise, seed, args.switch_cost, args.slow_start) for seed in range(args.seeds)], args.switch_cost))
+                runs = [run(rule, true, noise, seed, args.switch_cost, args.slow_start, args.prior_noise) for seed in range(args.seeds)]
+                cells.append(summary(true, runs, args.switch_cost))
             print(f"| {case} | {noise:.2f} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -22,12 +22,16 @@ of two) and per greedy/sampled (they accept differently):
   three a median took them for the k's speed. A k not measured yet is estimated by its prior in
   proportion to the latest measured k's (the profile's short sequences set the ratios, the
   rollouts the scale).
-- **Choice.** The first rollout takes the prior's best, and speculates only where that beats
-  k = 0 by ``MIN_GAIN``. After it, every k whose prior is within ``FIRST_LOOK_WITHIN`` of the best
-  is run once, k = 0 first (the profile can be wrong by tens of percent: in the default recipe it
-  chose k = 1 where k = 0 was 1.2x faster; k = 0 is always looked at: it is what auto must
-  never lose to); then the best estimate is run, the incumbent kept
-  unless another beats it by ``HYSTERESIS``. Re-measuring another k (a refresh) costs its gap to
+- **Choice.** A context's first rollouts are its first looks: k = 0 and every k whose prior is
+  within ``FIRST_LOOK_WITHIN`` of the best run once each (the profile can be wrong by tens of
+  percent: in the default recipe it chose k = 1 where k = 0 was 1.2x faster; k = 0 is always
+  looked at: it is what auto must never lose to). The prior's best runs last (a drafting k is
+  the best only where it beats k = 0 by ``MIN_GAIN``) and is the incumbent, the others before it
+  from the least promising up: where the prior was right, the rollouts after the looks go on
+  with the k of the last one, without a change of k (which the prior's best run first, as
+  until 2026-12-06, had to make after the looks), and the incumbent's look is the latest, in
+  the state of the machine nearest the decision. Then the best estimate is run, the incumbent
+  kept unless another beats it by ``HYSTERESIS``. Re-measuring another k (a refresh) costs its gap to
   the incumbent plus two changes of k, each a rebuild of the engine (timed, as a fraction of the
   latest rollout: about 12% in the default recipe on a CPU, next to nothing against a GPU's
   rollouts). A k whose refresh costs at most ``REFRESH_WITHIN`` of a rollout and that was last
@@ -159,7 +163,7 @@ class ContextState:
     observations: dict[int, collections.deque] = dataclasses.field(default_factory=dict)
     requests_per_step: float | None = None
     rollout_seconds: float | None = None  # the latest rollout's
-    first_looks: list[int] | None = None  # the k still to run once after the first rollout
+    first_looks: list[int] | None = None  # the k still to run once, in order (set at the first choice)
     unconfirmed: tuple[int, int] | None = None  # (the k left behind, the k switched to) until the latter's next rollout
     second_look_at_zero: bool = False  # whether k = 0's first look has been repeated
 
@@ -300,12 +304,22 @@ class AdaptiveSpeculation:
         """The k for the next rollout of this context (module docstring)."""
         state = self.context(bucket, greedy)
         expected = self.estimates(bucket, greedy, num_requests)
-        k = self._first_choice(expected) if state.rollouts == 0 else self._next_choice(state, expected)
+        if state.first_looks is None:
+            state.first_looks = self._first_looks(expected)
+            state.incumbent = state.first_looks[-1]
+        k = self._next_choice(state, expected)
         return Choice(k, expected[k] * self.speed)
 
-    def _first_choice(self, expected: dict[int, float]) -> int:
+    def _first_looks(self, expected: dict[int, float]) -> list[int]:
+        """The k a new context runs once each, in this order (module docstring, "Choice"): k = 0
+        and every k whose prior is within ``FIRST_LOOK_WITHIN`` of the best, the prior's best last
+        (a drafting k only where it beats k = 0 by ``MIN_GAIN``), the others before it from the
+        least promising up."""
         best = max(self.candidates, key=lambda k: (expected[k], -k))
-        return best if expected[best] >= MIN_GAIN * expected[0] else 0
+        if expected[best] < MIN_GAIN * expected[0]:
+            best = 0
+        plausible = [k for k in self.candidates if k != best and (k == 0 or expected[k] >= FIRST_LOOK_WITHIN * expected[best])]
+        return [*sorted(plausible, key=lambda k: (expected[k], -k)), best]
 
     def _next_choice(self, state: ContextState, expected: dict[int, float]) -> int:
         if state.first_looks:
@@ -342,17 +356,12 @@ class AdaptiveSpeculation:
     ) -> None:
         """A finished rollout: its realised tokens/s (at the first rollout's machine speed, where
         ``probe_seconds``, the machine-speed probe's, are given), its requests per step, its
-        acceptance; after the context's first, the k to run once each (k = 0 first and always,
-        then the others the prior finds plausible, best first)."""
+        acceptance; a first look done (:meth:`_first_looks`) leaves the list."""
         if probe_seconds is not None:
             self.reference_probe_seconds = self.reference_probe_seconds or probe_seconds
             self.speed = machine_speed.speed(probe_seconds, self.reference_probe_seconds)
         state, k = self.context(bucket, greedy), choice.num_speculative_tokens
-        if state.first_looks is None:
-            prior = self.prior(bucket, greedy, 1)
-            plausible = [j for j in self.candidates if j != k and (j == 0 or prior[j] >= FIRST_LOOK_WITHIN * max(prior.values()))]
-            state.first_looks, state.incumbent = sorted(plausible, key=lambda j: (j != 0, -prior[j])), k
-        elif state.first_looks and state.first_looks[0] == k:
+        if state.first_looks and state.first_looks[0] == k:
             state.first_looks.pop(0)
         rates = acceptance_rates(counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS])
         self.measured[greedy].update(rates)

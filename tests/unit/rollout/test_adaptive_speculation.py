@@ -41,33 +41,55 @@ def test_batch_sizes_share_costs_by_power_of_two():
     assert [batch_bucket(n) for n in (1, 2, 3, 8, 9, 32, 33)] == [1, 2, 4, 8, 16, 32, 64]
 
 
+def _first_looks(tuner: AdaptiveSpeculation) -> list[int]:
+    """The k a fresh context of ``tuner`` runs once each, in order, from its prior: the last is
+    the prior's best, its incumbent."""
+    tuner.choose(32, greedy=False, num_requests=32)
+    state = tuner.context(32, False)
+    assert state.incumbent == state.first_looks[-1]
+    return list(state.first_looks)
+
+
 def test_chooses_the_most_tokens_per_second():
     """Steps of 10, 13 and 16 ms; drafts accepted 90% and 80% (with the first): per request and
-    step 1, 1.9 and 2.7 tokens, i.e. 100, 146 and 169 tokens per second per request."""
+    step 1, 1.9 and 2.7 tokens, i.e. 100, 146 and 169 tokens per second per request. All three
+    are looked at (146 is within 30% of 169), the least promising first, the best last."""
     tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.016}, _counts([100, 100], [90, 80]))
+    assert _first_looks(tuner) == [0, 1, 2]
+    assert tuner.estimates(32, False, 1)[2] == pytest.approx(2.7 / 0.016)
     choice = tuner.choose(32, greedy=False, num_requests=1)
-    assert choice.num_speculative_tokens == 2
-    assert choice.expected_tokens_per_s == pytest.approx(2.7 / 0.016)
+    assert choice.num_speculative_tokens == 0 and choice.expected_tokens_per_s == pytest.approx(100.0)
+
+
+def test_where_the_prior_is_right_the_rollouts_after_the_first_looks_keep_its_k():
+    """k = 2 is the fastest, as the prior says (169 tokens/s a request against 146 and 100): the
+    first looks end on it and the rollouts after them go on with it, two changes of k in all (each
+    a rebuild of the engine). With the prior's best run first, as until 2026-12-06, the looks
+    after it took a third change, back to it, in the rollout after them."""
+    tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.016}, _counts([100, 100], [90, 80]))
+    chosen = [_rollout(tuner, {0: 700.0, 1: 900.0, 2: 1000.0}, rates=(0.9, 0.8)) for _ in range(8)]
+    assert chosen == [0, 1, 2, 2, 2, 2, 2, 2], chosen
+    assert sum(before != after for before, after in zip(chosen, chosen[1:])) == 2
 
 
 def test_chooses_no_speculation_when_drafts_are_rarely_accepted():
     """Accepted 10% / 2%: 1.1 tokens per 13 ms (85/s) and 1.12 per 16 ms (70/s) against 100/s."""
     tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.016}, _counts([100, 100], [10, 2]))
-    assert tuner.choose(32, greedy=False, num_requests=32).num_speculative_tokens == 0
+    assert _first_looks(tuner)[-1] == 0
 
 
 def test_speculates_only_where_the_expected_gain_clears_the_margin():
     """Accepted 40%: 1.4 tokens per 13.7 ms (102/s) is under 3% above 100/s; per 13 ms (108/s) it is over."""
     tuner = _tuner({0: 0.010, 1: 0.0137}, _counts([100], [40]), max_k=1)
-    assert tuner.choose(32, greedy=False, num_requests=32).num_speculative_tokens == 0
+    assert _first_looks(tuner) == [1, 0]
     tuner = _tuner({0: 0.010, 1: 0.013}, _counts([100], [40]), max_k=1)
-    assert tuner.choose(32, greedy=False, num_requests=32).num_speculative_tokens == 1
+    assert _first_looks(tuner) == [0, 1]
 
 
 def test_one_draft_when_the_second_is_not_worth_its_cost():
     """Accepted 90% / 20%: 1.9 / 13 ms = 146/s beats 2.1 / 16 ms = 131/s."""
     tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.016}, _counts([100, 100], [90, 20]))
-    assert tuner.choose(32, greedy=False, num_requests=32).num_speculative_tokens == 1
+    assert _first_looks(tuner)[-1] == 1
 
 
 def _counts_for(k: int, rates: list[float], drafts: int = 100) -> dict:
@@ -90,7 +112,7 @@ def test_the_forecast_replaces_acceptance_measured_before_a_training_step():
     assert tuner.acceptance(greedy=False) == pytest.approx([0.1, 0.02])
     tuner.observe_forecast(forecast_from_metrics({"mtp/mtp_1_expected_acceptance": 95.0, "mtp/mtp_2_expected_acceptance": 95.0}))
     assert tuner.acceptance(greedy=False) == pytest.approx([0.95, 0.95**2])
-    assert tuner.choose(32, False, 32).num_speculative_tokens == 2
+    assert _first_looks(tuner)[-1] == 2
 
 
 def test_acceptance_measured_since_the_last_training_step_beats_the_forecast():
@@ -107,26 +129,26 @@ def test_acceptance_measured_since_the_last_training_step_beats_the_forecast():
 def test_a_profile_that_favours_drafts_gives_way_to_the_rollouts_that_measure_them_slower():
     """The profile expects k = 1 at 146/s against 100/s (3-step rollouts of short prompts), but
     rollouts realise 1,000 tokens/s at k = 0 and 830 at k = 1 (long responses: the default
-    recipe's case): k = 1 first, k = 0 once to look, k = 2 (the prior's 135/s is plausible) once,
-    then k = 0 from there on."""
+    recipe's case): the first looks run k = 0, k = 2 (the prior's 135/s is plausible) and k = 1
+    (the prior's best) once each, then k = 0 from there on."""
     tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.0155}, _counts([100, 100], [90, 20]))
     realised = {0: 1000.0, 1: 830.0, 2: 700.0}
     chosen = [_rollout(tuner, realised) for _ in range(12)]
-    assert chosen[:3] == [1, 0, 2] and set(chosen[3:]) == {0}, chosen
+    assert chosen[:3] == [0, 2, 1] and set(chosen[3:]) == {0}, chosen
 
 
 def test_the_fastest_measured_k_is_kept_and_the_others_refreshed_in_proportion_to_their_gap():
     """k = 1 realises 1,000/s, k = 2 960/s (within REFRESH_WITHIN = 10%), k = 0 700/s (30% below):
     k = 2 is re-run once every REFRESH_EVERY = 10 rollouts, k = 0 once every 0.3 / 0.005 = 60
     (its refreshes cost 0.3 of a rollout each, half a percent on average): after its first look
-    (rollout 2) and its second, REFRESH_EVERY rollouts on (rollout 12), at rollout 72."""
+    (rollout 1) and its second, REFRESH_EVERY rollouts on (rollout 11), at rollout 71."""
     constants = (adaptive_speculation.REFRESH_WITHIN, adaptive_speculation.REFRESH_EVERY, adaptive_speculation.FAR_REFRESH_COST)
     assert constants == (0.10, 10, 0.005)
     tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.0155}, _counts([100, 100], [90, 20]))
     realised = {0: 700.0, 1: 1000.0, 2: 960.0}
     chosen = [_rollout(tuner, realised) for _ in range(73)]
-    assert chosen[:3] == [1, 0, 2], chosen
-    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [2, 12, 72], chosen
+    assert chosen[:3] == [0, 2, 1], chosen
+    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [1, 11, 71], chosen
     assert chosen[12:42].count(2) == 3 and chosen[12:42].count(1) == 27, chosen
 
 
@@ -147,21 +169,21 @@ class _UnluckyLooksAtZero(dict):
 
 def test_k0_left_with_an_unlucky_first_look_is_looked_at_again():
     """k = 0 is truly the fastest (1,000/s against k = 1's 800/s), but its first look came out at
-    600/s, and the profile favours drafting (k = 1 first): auto moves to k = 1, looks at k = 0
-    again REFRESH_EVERY rollouts after its first look (rollout 12), finds 1,000/s and keeps k = 0
-    from there on (the default recipe's case in 2 of 6 runs on 2026-12-06, before this second
-    look: k = 1 for 45 and 70 rollouts). If the second look is unlucky too, k = 0 is re-measured
-    after (1 - 600/800) / FAR_REFRESH_COST = 50 more rollouts (rollout 62); without a refresh
-    beyond REFRESH_WITHIN, k = 0 (25% below) would never run again."""
+    600/s, and the profile favours drafting (k = 1 the incumbent): auto stays on k = 1, looks at
+    k = 0 again REFRESH_EVERY rollouts after its first look (rollout 11), finds 1,000/s and keeps
+    k = 0 from there on (the default recipe's case in 2 of 6 runs on 2026-12-06, before this
+    second look: k = 1 for 45 and 70 rollouts). If the second look is unlucky too, k = 0 is
+    re-measured after (1 - 600/800) / FAR_REFRESH_COST = 50 more rollouts (rollout 61); without a
+    refresh beyond REFRESH_WITHIN, k = 0 (25% below) would never run again."""
     tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
     realised = _UnluckyLooksAtZero({0: 1000.0, 1: 800.0}, unlucky=1)
     chosen = [_rollout(tuner, realised) for _ in range(20)]
-    assert chosen[:2] == [1, 0], chosen
-    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [2, *range(12, 21)], chosen
+    assert chosen[:2] == [0, 1], chosen
+    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [1, *range(11, 21)], chosen
     tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
     realised = _UnluckyLooksAtZero({0: 1000.0, 1: 800.0}, unlucky=2)
     chosen = [_rollout(tuner, realised) for _ in range(70)]
-    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [2, 12, *range(62, 71)], chosen
+    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [1, 11, *range(61, 71)], chosen
     assert 600.0 / 800.0 < 1.0 - adaptive_speculation.REFRESH_WITHIN  # outside the close refresh
 
 
@@ -204,7 +226,7 @@ def test_two_slowed_rollouts_of_three_do_not_hide_a_ks_speed():
     is below k = 1's 800/s: a median would have switched to the slower k."""
     tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
     realised = {0: 1000.0, 1: 800.0}
-    for _ in range(5):  # the first choice, the first looks, k = 0 settled
+    for _ in range(5):  # the first looks (k = 0, then k = 1, the prior's best), k = 0 settled
         _rollout(tuner, realised)
     state = tuner.context(32, False)
     assert state.incumbent == 0 and len(state.observations[0]) == adaptive_speculation.WINDOW
@@ -217,8 +239,8 @@ def test_two_slowed_rollouts_of_three_do_not_hide_a_ks_speed():
 
 
 def _run_through_a_slow_spell(spell: list[float], confirmed: bool = True) -> list[int]:
-    """k = 0 runs at 1,000 tokens/s, k = 1 at 800/s; after the first choice (k = 1, the profile's),
-    the first look (k = 0) and one settled rollout of k = 0, the machine runs at ``spell[n]`` x its
+    """k = 0 runs at 1,000 tokens/s, k = 1 at 800/s; after the first looks (k = 0, then k = 1, the
+    profile's best) and one settled rollout of k = 0, the machine runs at ``spell[n]`` x its
     speed in rollout 4 + n, whichever k runs (the probe not told: it hardly sees such spells), at
     full speed after. The k of 12 rollouts; ``confirmed=False`` switches confirmation off."""
     tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
@@ -236,9 +258,9 @@ def test_a_switch_made_in_a_slow_spell_is_undone_by_the_new_ks_first_rollout():
     Control: without the confirmation auto stays on k = 1 (k = 0's refresh is far: 0.25 of a
     rollout's gap / FAR_REFRESH_COST = 50 rollouts). And where the spell ends with the switch
     (k = 1's rollout at its 800/s, faster than k = 0's 600), the switch stands."""
-    assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6]) == [1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
-    assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6], confirmed=False) == [1, 0, 0, 0, 0, 0, *[1] * 6]  # the control
-    assert _run_through_a_slow_spell([0.6, 0.6, 0.6]) == [1, 0, 0, 0, 0, 0, *[1] * 6]
+    assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6]) == [0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6], confirmed=False) == [0, 1, 0, 0, 0, 0, *[1] * 6]  # the control
+    assert _run_through_a_slow_spell([0.6, 0.6, 0.6]) == [0, 1, 0, 0, 0, 0, *[1] * 6]
 
 
 def _rollouts_at_speeds(tokens_per_s: dict[int, float], speeds: list[float], probed: bool) -> list[int]:
@@ -263,9 +285,9 @@ def test_a_first_look_on_a_slowed_machine_is_read_at_the_machines_speed():
     puts k = 2 at 1,100 and auto runs it from there on. Control: without the probe k = 2's look
     reads below k = 1 and auto keeps k = 1 (until k = 2's refresh, ten rollouts on)."""
     realised = {0: 700.0, 1: 1000.0, 2: 1100.0}
-    speeds = [1.0, 1.0, 0.85, *[1.0] * 6]
-    assert _rollouts_at_speeds(realised, speeds, probed=True) == [1, 0, 2, 2, 2, 2, 2, 2, 2]
-    assert _rollouts_at_speeds(realised, speeds, probed=False) == [1, 0, 2, 1, 1, 1, 1, 1, 1]  # the control
+    speeds = [1.0, 0.85, 1.0, *[1.0] * 6]  # the first looks: k = 0, k = 2 (slowed), k = 1 (the prior's best)
+    assert _rollouts_at_speeds(realised, speeds, probed=True) == [0, 2, 1, 2, 2, 2, 2, 2, 2]
+    assert _rollouts_at_speeds(realised, speeds, probed=False) == [0, 2, 1, 1, 1, 1, 1, 1, 1]  # the control
 
 
 def test_the_machine_speed_probe_costs_about_its_share_of_the_stepped_time():
@@ -396,12 +418,13 @@ def test_auto_rollouts_are_the_greedy_reference_and_report_their_choice():
 @pytest.mark.usefixtures("megatron_world")
 def test_auto_does_not_speculate_with_drafts_the_policy_rarely_accepts():
     """Untrained heads verified by equality at temperature 1 over 14 tokens: about sum_x p q, under
-    15% accepted, far below what a speculative step costs. The profile's choice is k = 0; a k the
-    profile finds plausible is run at most once to look, and then k = 0 is kept."""
+    15% accepted, far below what a speculative step costs. The profile's choice is k = 0, the
+    last of the first looks; a k the profile finds plausible is run at most once to look before
+    it, and k = 0 is kept from there on."""
     policy, cfg = make_policy(**engine_overrides("auto", 2, generation__spec_verification="exact_match"))
     engine = RolloutEngine(policy, cfg)
     chosen = [int(generate(engine, PROMPTS * 2, seed=seed)["speculative_tokens"]) for seed in range(5)]
-    assert chosen[0] == 0 and chosen[-2:] == [0, 0], (chosen, engine.adaptive.acceptance(greedy=False))
+    assert chosen[2:] == [0, 0, 0], (chosen, engine.adaptive.acceptance(greedy=False))
     assert all(chosen.count(k) <= 1 for k in (1, 2)), chosen
 
 
@@ -409,16 +432,16 @@ def test_auto_does_not_speculate_with_drafts_the_policy_rarely_accepts():
 @pytest.mark.usefixtures("megatron_world")
 def test_the_trainers_forecast_reaches_the_next_choice():
     """Step costs fixed by hand (a speculative step at 1.2x a plain one): with the forecast of
-    trained heads the first rollout's engine is rebuilt for drafts; with that of poor heads a
-    fresh tuner's is not."""
+    trained heads (1.97 tokens per 12 ms against 1 per 10) the prior's best is k = 1, which the
+    first looks run last, after k = 0, and the engine stays rebuilt for drafts; with that of poor
+    heads (1.05 per 12 ms, plausible: within 30%) k = 1 is looked at first and k = 0 is last."""
     for forecast, expected_k in ((97.0, 1), (5.0, 0)):
         policy, cfg = make_policy(**engine_overrides("auto", 1))
         engine = RolloutEngine(policy, cfg)
         engine.adaptive.record_profile(batch_bucket(len(PROMPTS)), {0: 0.010, 1: 0.012}, greedy=False, counts=COUNTS_NONE)
         engine.observe_training_metrics({"mtp/mtp_1_expected_acceptance": forecast})
-        rollouts = generate(engine)
-        assert int(rollouts["speculative_tokens"]) == expected_k and engine.num_speculative_tokens == expected_k
-        assert rollouts["draft_proposed"].shape == (expected_k,)
+        chosen = [int(generate(engine)["speculative_tokens"]) for _ in range(2)]
+        assert chosen == [1 - expected_k, expected_k] and engine.num_speculative_tokens == expected_k, chosen
 
 
 @pytest.mark.skipif(
