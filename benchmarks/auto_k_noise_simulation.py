@@ -27,7 +27,7 @@ the start of some default GRPO runs on this CPU) and the profile favour drafting
 costs read 0.7x: the default recipe's profile put k = 1 first where k = 0 was 1.2x faster). Both
 tables also run the rule **without confirmation** (a switch is no longer checked against the new
 k's first rollout after it), **without the second look at k = 0** (both in the rule since
-2026-12-06), with **the prior's best first** (the first looks' order until 2026-12-06: the
+2026-12-06), **without the second look at the prior's best**, with **the prior's best first** (the first looks' order until 2026-12-06: the
 prior's best, then k = 0, then the others; the rule runs the prior's best last), and with a
 **look back** (after a switch the new k's first rollout confirmed, the k
 left behind runs once three rollouts later), not adopted.
@@ -89,11 +89,19 @@ class WithoutConfirmation(AdaptiveSpeculation):
 
 
 class WithoutSecondLookAtZero(AdaptiveSpeculation):
-    """The rule with k = 0's first look not repeated."""
+    """The rule with k = 0's first look not repeated (the prior's best's still is)."""
 
     @staticmethod
-    def _second_look_at_zero_due(state) -> bool:
-        return False
+    def _second_looks_due(state) -> list[int]:
+        return [k for k in AdaptiveSpeculation._second_looks_due(state) if k != 0]
+
+
+class WithoutSecondLookAtPriorsBest(AdaptiveSpeculation):
+    """The rule with the prior's best's first look not repeated (k = 0's still is)."""
+
+    @staticmethod
+    def _second_looks_due(state) -> list[int]:
+        return [k for k in AdaptiveSpeculation._second_looks_due(state) if k == 0]
 
 
 class PriorsBestFirst(AdaptiveSpeculation):
@@ -111,6 +119,10 @@ class PriorsBestFirst(AdaptiveSpeculation):
         if first:
             state.incumbent = choice.num_speculative_tokens
         return choice
+
+    @staticmethod
+    def _second_looks_due(state) -> list[int]:
+        return [k for k in AdaptiveSpeculation._second_looks_due(state) if k == 0]  # k = 0's alone, as then
 
 
 class LookBack(AdaptiveSpeculation):
@@ -253,6 +265,7 @@ def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: fl
     the probe's readings the trace's, or its rollouts' slowness to the power 1 / ``probe_tracking``."""
     rules = {"as measured": (AdaptiveSpeculation, False), "read at the machine's speed (auto)": (AdaptiveSpeculation, True),
              "read so, without confirmation": (WithoutConfirmation, True), "read so, without the second look at k = 0": (WithoutSecondLookAtZero, True),
+             "read so, without the second look at the prior's best": (WithoutSecondLookAtPriorsBest, True),
              "read so, the prior's best first": (PriorsBestFirst, True), "read so, with a slowed second look": (SlowedSecondLook, True),
              "read so, with a look back": (LookBack, True)}  # fmt: skip
     probes_from = "the trace's probe" if probe_tracking is None else f"a probe the rollouts track at the power {probe_tracking}"
@@ -322,6 +335,7 @@ def main() -> None:
         trace_table(args.traces, args.probe_tracking, args.switch_cost, args.slow_start, args.prior_noise)
         return
     rules = {"auto": AdaptiveSpeculation, "without confirmation": WithoutConfirmation, "without the second look at k = 0": WithoutSecondLookAtZero,
+             "without the second look at the prior's best": WithoutSecondLookAtPriorsBest,
              "the prior's best first": PriorsBestFirst, "look back": LookBack, "like for like": LikeForLike, "second look": SecondLook}  # fmt: skip
     slow = "; runs start slow, the profile favouring drafts" if args.slow_start else ""
     print(f"A change of k costs {args.switch_cost} of a rollout{slow}; the profile off by {args.prior_noise} (log-normal).\n")

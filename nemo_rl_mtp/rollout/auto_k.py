@@ -39,13 +39,14 @@ of two) and per greedy/sampled (they accept differently):
   costlier one after proportionally more rollouts (``refresh_interval``: a gap of 30% with free
   switches waits 60), so its refreshes cost on average ``FAR_REFRESH_COST`` of a rollout and no
   estimate stays stale for a whole run.
-- **k = 0 looked at twice.** k = 0, if auto has moved on and it has run only its first look, runs
-  once more ``REFRESH_EVERY`` rollouts after it. The first looks come at the start of a run,
-  where on a CPU the process is still warming up (in 3 of 6 default runs on 2026-12-06 rollouts
-  2-6 ran at 0.45-0.7x their later speed), and on this CPU the profile's prior favours drafting:
-  in 2 of those 6 runs k = 0's one look landed there and auto ran k = 1, 1.2x slower, for 45 and
-  70 rollouts until k = 0's refresh (its gap plus two rebuilds, at ``FAR_REFRESH_COST``). k = 0
-  is what auto must never lose to; the second look costs its gap and two switches, once.
+- **Second looks.** k = 0 and the prior's best, if auto has moved on from either and it has run
+  only its first look, run once more ``REFRESH_EVERY`` rollouts after it. The first looks come
+  at the start of a run, where on a CPU the process is still warming up (in 3 of 6 default runs
+  on 2026-12-06 rollouts 2-6 ran at 0.45-0.7x their later speed): in 2 of those 6 runs k = 0's
+  one look landed there and auto ran k = 1, 1.2x slower, for 45 and 70 rollouts until k = 0's
+  refresh (its gap plus two rebuilds, at ``FAR_REFRESH_COST``). k = 0 is what auto must never
+  lose to, and the prior's best what the profile expects to be fastest; the looks at other k are
+  what the bound's refreshes keep fresh. A second look costs its gap and two switches, once.
 - **Confirmation.** A switch away from the incumbent is confirmed by the new k's first rollout
   after it: if that rollout is slower than the k left behind is estimated, the new k's earlier
   rollouts are set aside (its estimate is that rollout alone) and the estimates decide again.
@@ -63,7 +64,7 @@ is less). So over a run, tokens/s is at least (1 - HYSTERESIS) (1 - max_k REFRES
 REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one rollout's
 tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99
 = 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each plausible k one rollout
-per context (k = 0 two), once per run; a switch the estimates call for costs one rebuild. A confirmation runs
+per context (k = 0 and the prior's best at most two), once per run; a switch the estimates call for costs one rebuild. A confirmation runs
 nothing of its own; where it sets aside a faster k's rollouts wrongly (its first rollout after the
 switch unlucky), that k is estimated from the unlucky rollout until it runs again: an error of
 one rollout's measurement, which the bound leaves out as it does any other.
@@ -165,7 +166,8 @@ class ContextState:
     rollout_seconds: float | None = None  # the latest rollout's
     first_looks: list[int] | None = None  # the k still to run once, in order (set at the first choice)
     unconfirmed: tuple[int, int] | None = None  # (the k left behind, the k switched to) until the latter's next rollout
-    second_look_at_zero: bool = False  # whether k = 0's first look has been repeated
+    priors_best: int = 0  # the k the prior put first (the first looks' last)
+    second_looks: set[int] = dataclasses.field(default_factory=set)  # the k whose first look has been repeated
 
     def since_measured(self, k: int) -> float:
         """Rollouts of this context since k's latest (infinite if k never ran here)."""
@@ -306,7 +308,7 @@ class AdaptiveSpeculation:
         expected = self.estimates(bucket, greedy, num_requests)
         if state.first_looks is None:
             state.first_looks = self._first_looks(expected)
-            state.incumbent = state.first_looks[-1]
+            state.incumbent = state.priors_best = state.first_looks[-1]
         k = self._next_choice(state, expected)
         return Choice(k, expected[k] * self.speed)
 
@@ -325,9 +327,9 @@ class AdaptiveSpeculation:
         if state.first_looks:
             return state.first_looks[0]
         best = self._settle_incumbent(state, expected)
-        if self._second_look_at_zero_due(state):
-            state.second_look_at_zero = True
-            return 0
+        for k in self._second_looks_due(state):
+            state.second_looks.add(k)
+            return k
         switch_cost = self.switch_cost(state)
         due = [k for k in self.candidates if k != best and _refresh_due(state, k, expected[k] / expected[best], switch_cost)]
         return max(due, key=state.since_measured) if due else best
@@ -344,12 +346,15 @@ class AdaptiveSpeculation:
         return best
 
     @staticmethod
-    def _second_look_at_zero_due(state: ContextState) -> bool:
-        """Whether k = 0, not the incumbent and run only for its first look, is due its second
-        look (module docstring, "k = 0 looked at twice"): ``REFRESH_EVERY`` rollouts after it."""
-        if state.second_look_at_zero or state.incumbent == 0 or len(state.observations.get(0, ())) != 1:
-            return False
-        return state.since_measured(0) + 1 >= REFRESH_EVERY
+    def _second_looks_due(state: ContextState) -> list[int]:
+        """k = 0 and the prior's best, where either is not the incumbent, has run only for its
+        first look and looked ``REFRESH_EVERY`` rollouts ago (module docstring, "Second looks"):
+        due its second look."""
+        return [
+            k for k in sorted({0, state.priors_best})
+            if k not in state.second_looks and k != state.incumbent and len(state.observations.get(k, ())) == 1
+            and state.since_measured(k) + 1 >= REFRESH_EVERY
+        ]  # fmt: skip
 
     def record_rollout(
         self, bucket: int, greedy: bool, choice: Choice, seconds: float, steps: int, tokens: int, counts: dict, probe_seconds: float | None = None
