@@ -27,10 +27,10 @@ the start of some default GRPO runs on this CPU) and the profile favour drafting
 costs read 0.7x: the default recipe's profile put k = 1 first where k = 0 was 1.2x faster). Both
 tables also run the rule **without confirmation** (a switch is no longer checked against the new
 k's first rollout after it), **without the second look at k = 0** (both in the rule since
-2026-12-06), **without the second look at the prior's best**, with **the prior's best first** (the first looks' order until 2026-12-06: the
-prior's best, then k = 0, then the others; the rule runs the prior's best last), and with a
-**look back** (after a switch the new k's first rollout confirmed, the k
-left behind runs once three rollouts later), not adopted.
+2026-12-06), **without the second look at the prior's best**, with **the prior's best first**
+(the first looks' order until 2026-12-06: the prior's best, then k = 0, then the others; the
+rule runs the prior's best last), and with a **look back** (after a switch the new k's first
+rollout confirmed, the k left behind runs once three rollouts later), not adopted.
 
 The other variants, written here as subclasses, are remedies proposed for its misses in near ties
 (docs/results.md, "engines stepped in turn"; the slowed second look above, "what the probe sees

@@ -28,10 +28,10 @@ of two) and per greedy/sampled (they accept differently):
   looked at: it is what auto must never lose to). The prior's best runs last (a drafting k is
   the best only where it beats k = 0 by ``MIN_GAIN``) and is the incumbent, the others before it
   from the least promising up: where the prior was right, the rollouts after the looks go on
-  with the k of the last one, without a change of k (which the prior's best run first, as
-  until 2026-12-06, had to make after the looks), and the incumbent's look is the latest, in
-  the state of the machine nearest the decision. Then the best estimate is run, the incumbent
-  kept unless another beats it by ``HYSTERESIS``. Re-measuring another k (a refresh) costs its gap to
+  with the last look's k, without a change of k (until 2026-12-06 the prior's best ran first,
+  and the rollout after the looks changed k back to it), and the incumbent's look is the
+  latest, in the state of the machine nearest the decision. Then the best estimate is run, the
+  incumbent kept unless another beats it by ``HYSTERESIS``. Re-measuring another k (a refresh) costs its gap to
   the incumbent plus two changes of k, each a rebuild of the engine (timed, as a fraction of the
   latest rollout: about 12% in the default recipe on a CPU, next to nothing against a GPU's
   rollouts). A k whose refresh costs at most ``REFRESH_WITHIN`` of a rollout and that was last
