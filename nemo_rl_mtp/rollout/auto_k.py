@@ -327,9 +327,10 @@ class AdaptiveSpeculation:
         if state.first_looks:
             return state.first_looks[0]
         best = self._settle_incumbent(state, expected)
-        for k in self._second_looks_due(state):
-            state.second_looks.add(k)
-            return k
+        second_looks = self._second_looks_due(state)
+        if second_looks:
+            state.second_looks.add(second_looks[0])
+            return second_looks[0]
         switch_cost = self.switch_cost(state)
         due = [k for k in self.candidates if k != best and _refresh_due(state, k, expected[k] / expected[best], switch_cost)]
         return max(due, key=state.since_measured) if due else best
