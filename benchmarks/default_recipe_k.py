@@ -1,7 +1,7 @@
 """Whole GRPO runs of the default recipe at k = 0, 1 and auto, side by side: what ``auto`` costs
 or buys where users run it.
 
-    uv run python -m benchmarks.default_recipe_k [--rounds 3] [--beside-load] [key=value ...]
+    uv run python -m benchmarks.default_recipe_k [--rounds 3] [--beside-load] [--together] [key=value ...]
 
 Each round runs ``examples/run_grpo.py`` once per k (same seed, each its own run directory), the
 order rotated from round to round so that a drift of the machine does not fall on one k. Per run:
@@ -16,6 +16,12 @@ changes and leave the machine's speed out.
 
 ``--beside-load`` runs a second CPU-bound process (a one-thread matmul loop, as in
 ``benchmarks.rollout_throughput``) beside all the runs.
+
+``--together`` starts each round's three runs at the same time instead of one after the other,
+so that all three run through the same minutes of the machine (whose speed drifts by tens of
+percent from one run to the next), at the price of sharing its cores: three runs on two cores
+each run slower, and at any moment a run's phase meets whatever phases the others are in, which
+over 150 steps is much the same mix for every k.
 """
 
 from __future__ import annotations
@@ -70,20 +76,27 @@ def peak_tree_memory_mb(process: subprocess.Popen, peak: list[float]) -> None:
         return
 
 
-def one_run(k: str, overrides: list[str], run_root: Path, name: str) -> dict:
-    """``examples/run_grpo.py`` at ``k``; its per-phase medians, peak memory and auto's choices."""
+def start_run(k: str, overrides: list[str], run_root: Path, name: str) -> dict:
+    """``examples/run_grpo.py`` at ``k`` started, its memory sampled; :func:`finish_run` waits for it."""
     command = [
         sys.executable, str(REPO_ROOT / "examples" / "run_grpo.py"),
         f"policy.generation.num_speculative_tokens={k}", f"logger.log_dir={run_root}", f"logger.run_name={name}", *overrides,
     ]  # fmt: skip
-    started = time.monotonic()
-    with open(run_root / f"{name}.log", "w") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-        peak = [0.0]
-        sampler = threading.Thread(target=peak_tree_memory_mb, args=(process, peak), daemon=True)
-        sampler.start()
-        status = process.wait()
-        sampler.join()
+    log = open(run_root / f"{name}.log", "w")
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    peak = [0.0]
+    sampler = threading.Thread(target=peak_tree_memory_mb, args=(process, peak), daemon=True)
+    sampler.start()
+    return {"k": k, "name": name, "run_root": run_root, "process": process, "log": log, "sampler": sampler, "peak": peak, "started": time.monotonic()}
+
+
+def finish_run(run: dict) -> dict:
+    """The started run's per-phase medians, peak memory and auto's choices, once it has exited."""
+    status = run["process"].wait()
+    wall_s = time.monotonic() - run["started"]
+    run["sampler"].join()
+    run["log"].close()
+    k, name, run_root = run["k"], run["name"], run["run_root"]
     if status != 0:
         raise SystemExit(f"the k={k} run exited with status {status}; its output: {run_root / f'{name}.log'}")
     rows = [row for row in read_metrics(run_root / name / "metrics.jsonl") if TIMING + STEP_SECONDS in row]
@@ -92,7 +105,7 @@ def one_run(k: str, overrides: list[str], run_root: Path, name: str) -> dict:
     result.update({name: statistics.median(row[key] for row in rows) for name, key in TRAJECTORY.items()})
     result["per_step"].update({name: [row[key] for row in rows] for name, key in TRAJECTORY.items()})
     result["per_step"][OVER_LOGPROBS] = [row[TIMING + GENERATION_SECONDS] / row[TIMING + LOGPROBS_SECONDS] for row in rows]
-    result.update(k=k, steps=len(rows), wall_s=time.monotonic() - started, peak_mb=peak[0])
+    result.update(k=k, steps=len(rows), wall_s=wall_s, peak_mb=run["peak"][0])
     result["choices"] = collections.Counter(int(row[CHOSEN_K]) for row in rows if CHOSEN_K in row)
     return result
 
@@ -130,18 +143,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="a multiple of 3 puts each k once in each position of the order")
     parser.add_argument("--beside-load", action="store_true", help="run a second CPU-bound process (a one-thread matmul loop) beside all the runs")
+    parser.add_argument("--together", action="store_true", help="start each round's three runs at the same time (module docstring)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="default_recipe_k_") as root, beside_load() if args.beside_load else contextlib.nullcontext():
         for round_number in range(1, args.rounds + 1):
             shift = (round_number - 1) % len(KS)
-            for k in KS[shift:] + KS[:shift]:
-                result = one_run(k, args.overrides, Path(root), f"round{round_number}_k{k}")
+            order = KS[shift:] + KS[:shift]
+            if args.together:
+                started = [start_run(k, args.overrides, Path(root), f"round{round_number}_k{k}") for k in order]
+                round_results = [finish_run(run) for run in started]
+            else:
+                round_results = [finish_run(start_run(k, args.overrides, Path(root), f"round{round_number}_k{k}")) for k in order]
+            for result in round_results:
                 result["round"] = round_number
                 results.append(result)
-                print(f"round {round_number}, k = {k}: generation {result['generation']:.3f} s, step {result['whole step']:.3f} s (medians of {result['steps']} steps), {result['wall_s']:.0f} s", flush=True)
+                print(f"round {round_number}, k = {result['k']}: generation {result['generation']:.3f} s, step {result['whole step']:.3f} s (medians of {result['steps']} steps), {result['wall_s']:.0f} s", flush=True)
     load = "a one-thread matmul loop beside the runs" if args.beside_load else "nothing else started"
+    load += "; each round's runs at the same time" if args.together else "; each round's runs one after the other"
     print(f"\n{os.cpu_count()} CPUs; {load}; load average now {os.getloadavg()[0]:.1f}\n")
     print(table(results))
     print()
