@@ -9,7 +9,8 @@ of two) and per greedy/sampled (they accept differently):
 - **Prior.** Before the first rollout of a batch size every candidate k runs the rollout's own
   prompts for a few decode steps, twice, in opposite orders, and keeps its fastest step c_k (on
   an H100 or H200 only k = 0 runs, and c_k / c_0 comes from the decode-step cost model,
-  :mod:`step_cost_model`, at the rollout's batch and mid-rollout context). A
+  :mod:`step_cost_model`, at the rollout's batch and mid-rollout context; a rollout short enough
+  to end within those steps runs whole, and c_k is its seconds per request-step: :func:`profile`). A
   step at k yields 1 + sum_{i <= k} rho_i tokens per request (rho_i: draft i accepted, with every
   draft before it), so the prior expects R (1 + sum rho_i) / c_k tokens/s, R the requests a step
   serves. rho_i is the latest rollout's measurement while no training step came after it, else
@@ -452,18 +453,28 @@ def profile(rollout_engine, prompts: list[list[int]], params, bucket: int, greed
     Every candidate is measured, except on a GPU the cost model knows (``gpu_step_cost_ratios``):
     there k = 0 is, and the others follow the model's ratios (the profile's short sequences would
     understate what attention over long ones costs). The deepest measured k's counts are a first
-    acceptance."""
+    acceptance.
+
+    Rollouts whose every request ends within the profile's decode steps (``max_new_tokens`` at
+    most ``PROFILE_DECODE_STEPS`` + 1) are run whole instead, and a k's cost is its whole rollout's
+    (start, prefill, every step to the last request's end) per request-step it delivered: there
+    the prefill and the steps over the last few unfinished requests are most of a rollout, and a
+    speculative prefill costs more. At the default recipe's 128 requests of 5 tokens the fastest
+    decode steps put k = 1 at 1.03-1.54x k = 0's tokens/s in three profiles, where whole rollouts
+    ran it at 0.89x (2026-12-06)."""
     tuner = rollout_engine.adaptive
     model = rollout_engine.policy.model.module
     context_length = round(statistics.mean(map(len, prompts)) + rollout_engine.generation_cfg.max_new_tokens / 2)
     ratios = gpu_step_cost_ratios(model.config, model.vocab_size, _device_name(), len(prompts), context_length, tuner.max_k)
     measured = [0] if ratios else list(tuner.candidates)
+    whole = rollout_engine.generation_cfg.max_new_tokens - 1 <= PROFILE_DECODE_STEPS
     seconds, counts = {}, None
     for k in [*reversed(measured), *measured]:
         switch_engine(rollout_engine, k)
-        fastest, step_counts = decode_step_seconds(rollout_engine, prompts, params)
-        seconds[k] = min(seconds.get(k, fastest), fastest)
-        counts = counts or step_counts
+        run = profile_run(rollout_engine, prompts, params, whole)
+        cost = run.whole_rollout_step_seconds(len(prompts), k) if whole else run.fastest_step
+        seconds[k] = min(seconds.get(k, cost), cost)
+        counts = counts or run.counts
     if ratios:
         seconds = {k: seconds[0] * ratio for k, ratio in ratios.items()}
         logger.info("auto on %s, %d requests at ~%d tokens: step costs from the cost model, c_k/c_0 %s", _device_name(), len(prompts), context_length,
@@ -500,24 +511,48 @@ def step_clock():
     return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
-def decode_step_seconds(rollout_engine, prompts: list[list[int]], params) -> tuple[float, dict]:
-    """The fastest of the first decode steps of ``prompts`` on the current engine (after its
-    prefill step), and the drafts it proposed and accepted; the engine is reset after."""
-    from nemo_rl_mtp.rollout.speculation import speculation_counts
+@dataclasses.dataclass
+class ProfileRun:
+    """One profiling pass of one k: its fastest decode step, the drafts it proposed and accepted,
+    and where it ran the rollout whole, the rollout's seconds and the tokens it generated."""
 
+    fastest_step: float
+    counts: dict
+    whole_seconds: float | None = None
+    tokens: int = 0
+
+    def whole_rollout_step_seconds(self, num_requests: int, k: int) -> float:
+        """The whole rollout's seconds per request-step as the prior reads a step's cost: the
+        prior, R (1 + sum rho_i) / c_k, gives back the run's tokens/s at the run's acceptance."""
+        proposed, accepted = self.counts[DRAFT_PROPOSED_COUNTS], self.counts[DRAFT_ACCEPTED_COUNTS]
+        tokens_per_request_step = 1.0 + (float(accepted.sum()) / float(proposed[0]) if k and proposed.numel() and int(proposed[0]) else 0.0)
+        return self.whole_seconds * num_requests * tokens_per_request_step / max(self.tokens, 1)
+
+
+def profile_run(rollout_engine, prompts: list[list[int]], params, whole: bool = False) -> ProfileRun:
+    """``prompts`` on the current engine: its prefill step, then decode steps, the first
+    ``PROFILE_DECODE_STEPS`` or, ``whole``, until every request has ended (timed as a rollout is,
+    from the engine's start); the engine is reset after."""
+    from nemo_rl_mtp.rollout.speculation import speculation_counts, through_first_end
+
+    clock = step_clock()
+    started = clock()
     rollout_engine.start(prompts, seed=0)
     engine = rollout_engine.engine
     for request_id, prompt in enumerate(prompts):
         engine.add_request(request_id, prompt, params)
-    engine.step_modern()  # prefill
-    times, clock = [], step_clock()
-    while engine.has_unfinished_requests() and len(times) < PROFILE_DECODE_STEPS:
+    finished = list(engine.step_modern()["finished_request_records"])  # prefill
+    times = []
+    while engine.has_unfinished_requests() and (whole or len(times) < PROFILE_DECODE_STEPS):
         start = clock()
-        engine.step_modern()
+        finished.extend(engine.step_modern()["finished_request_records"])
         times.append(clock() - start)
-    counts = speculation_counts(engine)
+    run = ProfileRun(min(times) if times else float("inf"), speculation_counts(engine))
+    if whole:
+        run.whole_seconds = clock() - started
+        run.tokens = sum(len(through_first_end(list(record.merge().generated_tokens), params.termination_id)) for record in finished)
     engine.reset()
-    return (min(times) if times else float("inf")), counts
+    return run
 
 
 def agreed_with_model_parallel_peers(value):

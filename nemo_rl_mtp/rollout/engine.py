@@ -27,7 +27,7 @@ import torch
 
 from nemo_rl_mtp.megatron_compat import engine_access, engine_probes, engine_release, engine_teardown, kv_rewind
 from nemo_rl_mtp.rollout import auto_k, bookkeeping, controllers, incremental_drafts, machine_speed
-from nemo_rl_mtp.rollout.speculation import speculation_counts
+from nemo_rl_mtp.rollout.speculation import speculation_counts, through_first_end
 from nemo_rl_mtp.megatron_compat.cpu import inference_runtime as cpu_inference_runtime
 from nemo_rl_mtp.megatron_compat.cpu import training_runtime as cpu_runtime
 from nemo_rl_mtp.training import hybrid
@@ -379,7 +379,7 @@ def _raise_on_failed_requests(responses: list, max_sequence_length: int) -> None
 def right_padded_rollouts(prompts: list[list[int]], responses: list, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Prompt + response rows, right-padded, with token-aligned response log-probs. A response
     ends at its first end-of-sequence token: accepted drafts may run past it within a step."""
-    generated = [_through_first(list(request.generated_tokens), eos_id) for request in responses]
+    generated = [through_first_end(list(request.generated_tokens), eos_id) for request in responses]
     prompt_lengths = torch.tensor([len(prompt) for prompt in prompts])
     lengths = prompt_lengths + torch.tensor([len(tokens) for tokens in generated])
     tokens = torch.full((len(prompts), int(lengths.max())), pad_id, dtype=torch.long)
@@ -391,7 +391,3 @@ def right_padded_rollouts(prompts: list[list[int]], responses: list, eos_id: int
             request.generated_log_probs[: len(response)]
         )
     return {TOKENS: tokens, LENGTHS: lengths, PROMPT_LENGTHS: prompt_lengths, LOGPROBS: logprobs}
-
-
-def _through_first(tokens: list[int], eos_id: int) -> list[int]:
-    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens

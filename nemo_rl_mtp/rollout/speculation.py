@@ -83,6 +83,12 @@ def speculation_counts(engine) -> dict[str, torch.Tensor]:
     return {DRAFT_PROPOSED_COUNTS: proposed.clone(), DRAFT_ACCEPTED_COUNTS: accepted.clone()}
 
 
+def through_first_end(tokens: list[int], eos_id: int) -> list[int]:
+    """A response's tokens through its first end-of-sequence token: accepted drafts may run past
+    it within a step."""
+    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
 def speculation_metrics(counts: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per draft position i (1-indexed): proposed, accepted, acceptance rate in percent; and the
     tokens a request gains per decode step (1 + accepted drafts). With ``auto``: the drafts per

@@ -443,6 +443,25 @@ def test_auto_rollouts_are_the_greedy_reference_and_report_their_choice():
 
 @requires_speculation
 @pytest.mark.usefixtures("megatron_world")
+def test_the_profile_runs_a_short_rollout_whole_as_a_rollout_runs():
+    """Rollouts of at most PROFILE_DECODE_STEPS + 1 new tokens are profiled whole (their prefill
+    and last steps are most of them): the profile's run at k = 1 generates, greedily, the tokens
+    the engine's own rollout of the same prompts does, counted through each response's end, with
+    the same drafts proposed and accepted, and its whole seconds cover its fastest step's."""
+    new_tokens = adaptive_speculation.PROFILE_DECODE_STEPS + 1
+    policy, cfg = make_policy(**engine_overrides(1, 1, generation__top_k=1, generation__max_new_tokens=new_tokens))
+    engine = RolloutEngine(policy, cfg)
+    rollouts = generate(engine)
+    with engine.sampling_session():
+        run = adaptive_speculation.profile_run(engine, PROMPTS, engine.sampling_params(TOKENIZER.eos_id, greedy=True), whole=True)
+    assert run.tokens == int((rollouts["lengths"] - rollouts["prompt_lengths"]).sum())
+    assert run.counts["draft_proposed"].tolist() == rollouts["draft_proposed"].tolist()
+    assert run.counts["draft_accepted"].tolist() == rollouts["draft_accepted"].tolist()
+    assert run.whole_seconds > run.fastest_step > 0
+
+
+@requires_speculation
+@pytest.mark.usefixtures("megatron_world")
 def test_auto_does_not_speculate_with_drafts_the_policy_rarely_accepts():
     """Untrained heads verified by equality at temperature 1 over 14 tokens: about sum_x p q, under
     15% accepted, far below what a speculative step costs. The profile's choice is k = 0, the
