@@ -373,10 +373,7 @@ class AdaptiveSpeculation:
         rates = acceptance_rates(counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS])
         self.measured[greedy].update(rates)
         self.measured_since_training[greedy] |= set(rates)
-        tokens_per_request_step = 1.0
-        proposed, accepted = counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS]
-        if k and proposed.numel() and int(proposed[0]):
-            tokens_per_request_step += float(accepted.sum()) / float(proposed[0])
+        tokens_per_request_step = realised_tokens_per_request_step(k, counts)
         state.rollouts += 1
         state.rollout_seconds = seconds
         observation = Observation(state.rollouts, tokens / max(seconds, 1e-9) / self.speed, tokens_per_request_step)
@@ -394,6 +391,15 @@ class AdaptiveSpeculation:
         if _at_acceptance(latest, self.tokens_per_request_step(greedy)[k]) < self.estimates(bucket, greedy, 1)[left_behind]:
             logger.debug("auto: k = %d's first rollout after the switch ran slower than k = %d's estimate; its earlier rollouts set aside", k, left_behind)
             state.observations[k] = collections.deque([latest], maxlen=WINDOW)
+
+
+def realised_tokens_per_request_step(k: int, counts: dict) -> float:
+    """What a run at k realised per request and step: 1 + its accepted drafts over its decode
+    request-steps (each decode request-step proposes a first draft)."""
+    proposed, accepted = counts[DRAFT_PROPOSED_COUNTS], counts[DRAFT_ACCEPTED_COUNTS]
+    if k and proposed.numel() and int(proposed[0]):
+        return 1.0 + float(accepted.sum()) / float(proposed[0])
+    return 1.0
 
 
 def _at_acceptance(observation: Observation, tokens_per_request_step: float) -> float:
@@ -524,9 +530,7 @@ class ProfileRun:
     def whole_rollout_step_seconds(self, num_requests: int, k: int) -> float:
         """The whole rollout's seconds per request-step as the prior reads a step's cost: the
         prior, R (1 + sum rho_i) / c_k, gives back the run's tokens/s at the run's acceptance."""
-        proposed, accepted = self.counts[DRAFT_PROPOSED_COUNTS], self.counts[DRAFT_ACCEPTED_COUNTS]
-        tokens_per_request_step = 1.0 + (float(accepted.sum()) / float(proposed[0]) if k and proposed.numel() and int(proposed[0]) else 0.0)
-        return self.whole_seconds * num_requests * tokens_per_request_step / max(self.tokens, 1)
+        return self.whole_seconds * num_requests * realised_tokens_per_request_step(k, self.counts) / max(self.tokens, 1)
 
 
 def profile_run(rollout_engine, prompts: list[list[int]], params, whole: bool = False) -> ProfileRun:
