@@ -293,6 +293,7 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
     for repeat in range(args.repeats):
         shift = repeat % len(variants)  # each variant's place in the order rotates
         run_in_turn(variants[shift:] + variants[:shift], prompts, repeat, phases_of)
+    print_auto_state(auto)
     memory = kv_memory(variants[args.mtp_layers].rollout_engine.engine)
     result = {"heads": heads, "new_tokens": new_tokens, "batch": batch, "variants": variants, "memory": memory}
     print(f"  {heads} heads, {new_tokens} new tokens, {batch} prompts: "
@@ -301,6 +302,19 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
           + f"; auto over the fixed engine at the k it ran, per repeat: {' '.join(f'{r:.2f}' for r in same_k_ratios(auto, variants))}",
           flush=True)  # fmt: skip
     return result
+
+
+def print_auto_state(auto: Variant) -> None:
+    """What auto holds after a cell: its profile's step costs and prior, and each k's latest
+    measured rollouts (their number in the context and tokens/s at the first rollout's machine
+    speed), so that a choice the table shows can be traced to the looks behind it."""
+    tuner = auto.rollout_engine.adaptive
+    for (bucket, greedy), state in tuner.contexts.items():
+        prior = tuner.prior(bucket, greedy, bucket)
+        costs = ", ".join(f"k={k} {1000 * seconds:.2f} ms" for k, seconds in tuner.profiled[bucket].items())
+        print(f"    auto, {bucket} requests: profile {costs}; prior vs k=0 " + ", ".join(f"k={k} {prior[k] / prior[0]:.2f}" for k in sorted(prior))
+              + "; latest rollouts " + "; ".join(f"k={k}: " + ", ".join(f"#{o.number} {o.tokens_per_s:.0f}" for o in observations)
+                                                for k, observations in sorted(state.observations.items())), flush=True)  # fmt: skip
 
 
 def run_in_turn(variants: list[Variant], prompts, seed: int, phases_of: dict, timed: bool = True, responses_end: bool = False) -> None:
