@@ -551,10 +551,9 @@ def profile_run(rollout_engine, prompts: list[list[int]], params, whole: bool = 
         start = clock()
         finished.extend(engine.step_modern()["finished_request_records"])
         times.append(clock() - start)
-    run = ProfileRun(min(times) if times else float("inf"), speculation_counts(engine))
-    if whole:
-        run.whole_seconds = clock() - started
-        run.tokens = sum(len(through_first_end(list(record.merge().generated_tokens), params.termination_id)) for record in finished)
+    whole_seconds = clock() - started if whole else None
+    tokens = sum(len(through_first_end(list(record.merge().generated_tokens), params.termination_id)) for record in finished) if whole else 0
+    run = ProfileRun(min(times) if times else float("inf"), speculation_counts(engine), whole_seconds, tokens)
     engine.reset()
     return run
 
