@@ -541,10 +541,8 @@ def profile_run(rollout_engine, prompts: list[list[int]], params, whole: bool = 
 
     clock = step_clock()
     started = clock()
-    rollout_engine.start(prompts, seed=0)
+    rollout_engine.start(prompts, 0, params)
     engine = rollout_engine.engine
-    for request_id, prompt in enumerate(prompts):
-        engine.add_request(request_id, prompt, params)
     finished = list(engine.step_modern()["finished_request_records"])  # prefill
     times = []
     while engine.has_unfinished_requests() and (whole or len(times) < PROFILE_DECODE_STEPS):

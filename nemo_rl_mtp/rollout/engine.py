@@ -91,12 +91,16 @@ class RolloutEngine:
         compares engines that way). ``auto`` chooses its k here."""
         return Rollout(self, prompts, eos_id, pad_id, seed, greedy)
 
-    def start(self, prompts: list[list[int]], seed: int) -> None:
+    def start(self, prompts: list[list[int]], seed: int, params) -> None:
+        """A fresh rollout of ``prompts`` (request ids their indices) with megatron's ``params``,
+        sampling from a generator seeded with ``seed``: the engine reset, the requests added."""
         self.engine.reset()
         self.engine.controller.sampling_rng.manual_seed(seed)
         drafter = getattr(self.engine.controller, "drafter", None)
         if hasattr(drafter, "reset"):
             drafter.reset(len(prompts))
+        for request_id, prompt in enumerate(prompts):
+            self.engine.add_request(request_id, prompt, params)
 
     @contextlib.contextmanager
     def sampling_session(self):
@@ -327,9 +331,7 @@ class Rollout:
         self.probes_before = self.speed_probe.taken if self.speed_probe is not None else 0
         self.seconds, self.steps, self.finished = 0.0, 0, []
         start = self.clock()
-        rollout_engine.start(prompts, seed)
-        for request_id, prompt in enumerate(prompts):
-            rollout_engine.engine.add_request(request_id, prompt, params)
+        rollout_engine.start(prompts, seed, params)
         self.seconds += self.clock() - start
 
     def step(self) -> bool:
