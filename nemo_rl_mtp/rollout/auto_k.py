@@ -7,7 +7,7 @@ The rule is a bandit over k = 0 .. max_k whose reward is the rollout's realised 
 of two) and per greedy/sampled (they accept differently):
 
 - **Prior.** Before the first rollout of a batch size every candidate k runs the rollout's own
-  prompts for a few decode steps, twice, in opposite orders, and keeps its fastest step c_k (on
+  prompts for a few decode steps, in three rounds over the candidates, and keeps its fastest step c_k (on
   an H100 or H200 only k = 0 runs, and c_k / c_0 comes from the decode-step cost model,
   :mod:`step_cost_model`, at the rollout's batch and mid-rollout context; a rollout short enough
   to end within those steps runs whole, and c_k is its seconds per request-step: :func:`profile`). A
@@ -117,8 +117,10 @@ from nemo_rl_mtp.rollout import machine_speed, step_cost_model
 
 logger = logging.getLogger(__name__)
 
-# Decode steps each candidate k runs in each of the profile's two passes (after its prefill step).
+# Decode steps each candidate k runs in each of the profile's passes (after its prefill step).
 PROFILE_DECODE_STEPS = 6
+# The profile's rounds over the candidates (:func:`profile_order`).
+PROFILE_PASSES = 3
 # A measured acceptance needs at least this many proposals to be trusted.
 MIN_PROPOSALS = 8
 # The first rollout speculates only where the prior expects it to beat k = 0 by this factor.
@@ -454,8 +456,11 @@ def switch_engine(rollout_engine, k: int) -> None:
 
 
 def profile(rollout_engine, prompts: list[list[int]], params, bucket: int, greedy: bool) -> None:
-    """The measured k on the rollout's prompts for a few decode steps, in two passes (k
-    descending, then ascending: the engine is rebuilt once per change), its fastest step kept.
+    """The measured k on the rollout's prompts for a few decode steps, in ``PROFILE_PASSES``
+    rounds over them (:func:`profile_order`; the engine is rebuilt at every change), each k's
+    fastest step kept: under another process on a 2-core VM a slow spell covering both of k = 0's
+    adjacent passes, in the earlier order (k descending, then ascending), read its step 1.56x the
+    next profile's and put k = 2 at 1.58x k = 0 where rollouts ran it at 0.93x (2026-12-06).
     Every candidate is measured, except on a GPU the cost model knows (``gpu_step_cost_ratios``):
     there k = 0 is, and the others follow the model's ratios (the profile's short sequences would
     understate what attention over long ones costs). The deepest measured k's counts are a first
@@ -475,17 +480,24 @@ def profile(rollout_engine, prompts: list[list[int]], params, bucket: int, greed
     measured = [0] if ratios else list(tuner.candidates)
     whole = rollout_engine.generation_cfg.max_new_tokens - 1 <= PROFILE_DECODE_STEPS
     seconds, counts = {}, None
-    for k in [*reversed(measured), *measured]:
+    for k in profile_order(measured):
         switch_engine(rollout_engine, k)
         run = profile_run(rollout_engine, prompts, params, whole)
         cost = run.whole_rollout_step_seconds(len(prompts), k) if whole else run.fastest_step
         seconds[k] = min(seconds.get(k, cost), cost)
-        counts = counts or run.counts
+        if k == measured[-1]:
+            counts = run.counts  # the deepest k's: a first acceptance at every depth
     if ratios:
         seconds = {k: seconds[0] * ratio for k, ratio in ratios.items()}
         logger.info("auto on %s, %d requests at ~%d tokens: step costs from the cost model, c_k/c_0 %s", _device_name(), len(prompts), context_length,
                     ", ".join(f"{ratio:.2f}" for ratio in ratios.values()))  # fmt: skip
     tuner.record_profile(bucket, agreed_with_model_parallel_peers(seconds), greedy, counts)
+
+
+def profile_order(measured: list[int]) -> list[int]:
+    """The profile's passes: ``PROFILE_PASSES`` rounds over the measured k, each in the same order,
+    so that a k's passes lie a round apart and no two of them are adjacent."""
+    return measured * PROFILE_PASSES
 
 
 def gpu_step_cost_ratios(model_config, vocab_size: int, device_name: str | None, batch_size: int, context_length: int, max_k: int) -> dict[int, float] | None:

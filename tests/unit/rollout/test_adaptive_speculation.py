@@ -437,8 +437,27 @@ def test_auto_rollouts_are_the_greedy_reference_and_report_their_choice():
     assert 0 <= k <= 2 and engine.num_speculative_tokens == k and rollouts["draft_proposed"].shape == (k,)
     assert float(rollouts["expected_tokens_per_s"]) > 0 and float(rollouts["engine_tokens_per_s"]) > 0
     assert engine.adaptive.profiled[batch_bucket(len(PROMPTS))].keys() == {0, 1, 2}
-    # the profile's five engine changes (k = 0 -> 2 -> 1 -> 0, then 1 -> 2) were timed
+    # the profile's engine changes (k = 0 -> 1 -> 2 -> 0, three rounds) were timed
     assert len(engine.adaptive.switch_seconds) == adaptive_speculation.WINDOW and min(engine.adaptive.switch_seconds) > 0
+
+
+@requires_speculation
+@pytest.mark.usefixtures("megatron_world")
+def test_the_profile_times_every_k_and_reads_a_first_acceptance_at_every_depth():
+    """The profile alone (no rollout yet): a step cost for k = 0, 1 and 2, in rounds that never
+    run one k twice in a row, and a first acceptance for both draft depths, so the prior can
+    weigh k = 2 before any rollout has drafted (read from k = 0's run, it had none: the prior put
+    trained heads' k = 2 at 0.37x k = 0 and auto never looked at it)."""
+    policy, cfg = make_policy(**engine_overrides("auto", 2))
+    engine = RolloutEngine(policy, cfg)
+    order = adaptive_speculation.profile_order([0, 1, 2])
+    assert sorted(order) == sorted([0, 1, 2] * adaptive_speculation.PROFILE_PASSES)
+    assert all(first != second for first, second in zip(order, order[1:]))
+    with engine.sampling_session():
+        params = engine.sampling_params(TOKENIZER.eos_id)
+        adaptive_speculation.profile(engine, PROMPTS, params, batch_bucket(len(PROMPTS)), greedy=False)
+    assert engine.adaptive.profiled[batch_bucket(len(PROMPTS))].keys() == {0, 1, 2}
+    assert set(engine.adaptive.measured[False]) == {1, 2}, engine.adaptive.measured
 
 
 @requires_speculation
