@@ -30,7 +30,8 @@ k's first rollout after it), **without the second look at k = 0** (both in the r
 2026-12-06), **without the second look at the prior's best**, with **the prior's best first**
 (the first looks' order until 2026-12-06: the prior's best, then k = 0, then the others; the
 rule runs the prior's best last), and with a **look back** (after a switch the new k's first
-rollout confirmed, the k left behind runs once three rollouts later), not adopted.
+rollout confirmed, the k left behind runs once three rollouts later), not adopted; the trace
+table also runs **like for like** (below).
 
 The other variants, written here as subclasses, are remedies proposed for its misses in near ties
 (docs/results.md, "engines stepped in turn"; the slowed second look above, "what the probe sees
@@ -258,8 +259,8 @@ def simulate(
 
 
 def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: float, slow_start: bool, prior_noise: float) -> None:
-    """auto told the probe's readings or not, without confirmation, with a slowed second look or a
-    look back, on machines measured
+    """auto told the probe's readings or not, without confirmation, with a slowed second look, a
+    look back or like-for-like estimates, on machines measured
     by ``benchmarks.machine_speed --save``: one run per rollout of the trace to start at (wrapping
     round), rollout n of a run as slow as the trace's rollout there against the trace's median;
     the probe's readings the trace's, or its rollouts' slowness to the power 1 / ``probe_tracking``."""
@@ -267,7 +268,7 @@ def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: fl
              "read so, without confirmation": (WithoutConfirmation, True), "read so, without the second look at k = 0": (WithoutSecondLookAtZero, True),
              "read so, without the second look at the prior's best": (WithoutSecondLookAtPriorsBest, True),
              "read so, the prior's best first": (PriorsBestFirst, True), "read so, with a slowed second look": (SlowedSecondLook, True),
-             "read so, with a look back": (LookBack, True)}  # fmt: skip
+             "read so, with a look back": (LookBack, True), "read so, like for like": (LikeForLike, True)}  # fmt: skip
     probes_from = "the trace's probe" if probe_tracking is None else f"a probe the rollouts track at the power {probe_tracking}"
     start = ("; runs start slow, the profile favouring drafts" if slow_start else "") + (f"; profile off by {prior_noise} (log-normal)" if prior_noise else "")
     print(f"\nProbe readings: {probes_from}; a change of k costs {switch_cost} of a rollout{start}. Cells: rollouts 4-8 mean (p10), run mean.\n")
