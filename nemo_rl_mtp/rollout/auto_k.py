@@ -7,8 +7,8 @@ The rule is a bandit over k = 0 .. max_k whose reward is the rollout's realised 
 of two) and per greedy/sampled (they accept differently):
 
 - **Prior.** Before the first rollout of a batch size every candidate k runs the rollout's own
-  prompts for a few decode steps, in three rounds over the candidates, and keeps its fastest step c_k (on
-  an H100 or H200 only k = 0 runs, and c_k / c_0 comes from the decode-step cost model,
+  prompts for a few decode steps, in three rounds over the candidates, and keeps its fastest
+  step c_k (on an H100 or H200 only k = 0 runs, and c_k / c_0 comes from the decode-step cost model,
   :mod:`step_cost_model`, at the rollout's batch and mid-rollout context; a rollout short enough
   to end within those steps runs whole, and c_k is its seconds per request-step: :func:`profile`). A
   step at k yields 1 + sum_{i <= k} rho_i tokens per request (rho_i: draft i accepted, with every
@@ -458,9 +458,10 @@ def switch_engine(rollout_engine, k: int) -> None:
 def profile(rollout_engine, prompts: list[list[int]], params, bucket: int, greedy: bool) -> None:
     """The measured k on the rollout's prompts for a few decode steps, in ``PROFILE_PASSES``
     rounds over them (:func:`profile_order`; the engine is rebuilt at every change), each k's
-    fastest step kept: under another process on a 2-core VM a slow spell covering both of k = 0's
-    adjacent passes, in the earlier order (k descending, then ascending), read its step 1.56x the
-    next profile's and put k = 2 at 1.58x k = 0 where rollouts ran it at 0.93x (2026-12-06).
+    fastest step kept. In the earlier order, k descending then ascending, k = 0's two passes were
+    adjacent, and under another process on a 2-core VM one profile read its step at 1.56x the
+    next profile's (the same work) and put k = 2 at 1.58x k = 0 where rollouts ran it at 0.93x
+    (2026-12-06): a slow spell as long as two passes no longer covers all of a k's.
     Every candidate is measured, except on a GPU the cost model knows (``gpu_step_cost_ratios``):
     there k = 0 is, and the others follow the model's ratios (the profile's short sequences would
     understate what attention over long ones costs). The deepest measured k's counts are a first
