@@ -324,6 +324,7 @@ class Rollout:
 
     def __init__(self, rollout_engine: RolloutEngine, prompts: list[list[int]], eos_id: int, pad_id: int, seed: int, greedy: bool):
         self.rollout_engine, self.prompts, self.eos_id, self.pad_id, self.greedy = rollout_engine, prompts, eos_id, pad_id, greedy
+        check_room_for_responses(prompts, rollout_engine.generation_cfg.max_new_tokens, rollout_engine.engine.context.max_sequence_length)
         params = rollout_engine.sampling_params(eos_id, greedy)
         self.choice = auto_k.choose(rollout_engine, prompts, params, greedy) if rollout_engine.adaptive is not None else None
         self.clock = auto_k.step_clock()
@@ -360,6 +361,22 @@ class Rollout:
             probe_seconds = self.speed_probe.reading(self.probes_before) if self.speed_probe is not None else None
             rollouts.update(auto_k.record(self.rollout_engine.adaptive, self.choice, rollouts, self.greedy, self.seconds, probe_seconds))
         return rollouts
+
+
+def check_room_for_responses(prompts: list[list[int]], max_new_tokens: int, max_sequence_length: int) -> None:
+    """Refuse, before any request reaches the engine (or ``auto``'s profile), a prompt without room
+    for ``max_new_tokens`` after it in ``max_sequence_length``. megatron-core (0.19.2 measured)
+    would cut such a response short without a word (a 18-token prompt got 6 of 12 new tokens in a
+    24-token engine), fail inside its own bookkeeping on a prompt that fills the sequence exactly
+    (an IndexError in ``post_process_requests``), and refuse a longer one with a warning: a
+    rollout cut short would reach training as if the policy had ended it. The GRPO loop checks its
+    tasks' prompts when the config is loaded; this is for every other caller."""
+    for index, prompt in enumerate(prompts):
+        if len(prompt) + max_new_tokens > max_sequence_length:
+            raise ValueError(
+                f"rollout prompt {index} has {len(prompt)} tokens: with policy.generation.max_new_tokens={max_new_tokens} it needs "
+                f"{len(prompt) + max_new_tokens} > the engine's {max_sequence_length} (policy.max_total_sequence_length)"
+            )
 
 
 def _raise_on_failed_requests(responses: list, max_sequence_length: int) -> None:

@@ -144,11 +144,19 @@ def test_rollouts_and_engine_builds_leave_the_flag_and_every_modules_mode_as_the
 
 
 @pytest.mark.parametrize("num_speculative_tokens", sorted({0, drafts_where_possible(1)}))  # one case where the engine cannot draft
-def test_a_request_the_engine_refuses_fails_the_rollout_loudly(num_speculative_tokens):
-    _, _, engine = _policy(num_speculative_tokens)
-    too_long = [TOKENIZER.encode_prompt([1] * 30)]  # 32 prompt tokens > max_sequence_length 24
-    with pytest.raises(RuntimeError, match="refused 1 rollout request"):
-        _generate(engine, prompts=PROMPTS + too_long)
+@pytest.mark.parametrize("digits", [16, 22, 30])  # prompts of 18, 24, 32 tokens: room for 6, 0, no new tokens of 12
+def test_a_prompt_without_room_for_its_response_is_refused_before_the_engine_sees_it(num_speculative_tokens, digits):
+    """max_sequence_length 24, 12 new tokens. Without the check megatron-core 0.19.2 cut the first
+    prompt's response to 6 tokens silently, failed with an IndexError on the second, refused the
+    third with a warning."""
+    _, _, engine = _policy(num_speculative_tokens, generation__top_k=1)
+    fits = TOKENIZER.encode_prompt([1] * 10)  # 12 + 12 = 24 tokens: a control, at the boundary
+    assert len(fits) + 12 == 24
+    rollouts = _generate(engine, prompts=PROMPTS + [fits])
+    assert int(rollouts["lengths"][-1]) <= 24
+    prompt = TOKENIZER.encode_prompt([1] * digits)
+    with pytest.raises(ValueError, match=rf"rollout prompt {len(PROMPTS)} has {len(prompt)} tokens: .*max_new_tokens=12 .* > the engine's 24"):
+        _generate(engine, prompts=PROMPTS + [prompt])
     assert not _inference_flag_active()
     assert torch.equal(_generate(engine, seed=3)["tokens"], _generate(engine, seed=3)["tokens"])  # still usable
 
