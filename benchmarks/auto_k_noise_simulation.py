@@ -138,13 +138,13 @@ class LookBack(AdaptiveSpeculation):
         if unconfirmed is not None and unconfirmed[1] == k and len(state.observations[k]) > 1:  # confirmed
             state.look_back = (unconfirmed[0], state.rollouts + self.AFTER)
 
-    def _next_choice(self, state, expected: dict[int, float]) -> int:
+    def _next_choice(self, state, expected: dict[int, float], prior: dict[int, float]) -> int:
         look_back = getattr(state, "look_back", None)
         if look_back is not None and not state.first_looks and state.rollouts >= look_back[1]:
             state.look_back = None
             if state.incumbent != look_back[0] and state.since_measured(look_back[0]) > self.AFTER:
                 return look_back[0]
-        return super()._next_choice(state, expected)
+        return super()._next_choice(state, expected, prior)
 
 
 class LikeForLike(AdaptiveSpeculation):
@@ -167,7 +167,7 @@ class LikeForLike(AdaptiveSpeculation):
 class SecondLook(AdaptiveSpeculation):
     """A k measured once and estimated within REFRESH_WITHIN of the best runs again two rollouts on."""
 
-    def _next_choice(self, state, expected: dict[int, float]) -> int:
+    def _next_choice(self, state, expected: dict[int, float], prior: dict[int, float]) -> int:
         if not state.first_looks:
             best = self._settle_incumbent(state, expected)
             once = [
@@ -177,7 +177,7 @@ class SecondLook(AdaptiveSpeculation):
             ]
             if once:
                 return once[0]
-        return super()._next_choice(state, expected)
+        return super()._next_choice(state, expected, prior)
 
 
 class SlowedSecondLook(AdaptiveSpeculation):
@@ -195,12 +195,12 @@ class SlowedSecondLook(AdaptiveSpeculation):
         state = self.context(bucket, greedy)
         self.slowdowns[state.rollouts] = probe_seconds / self.reference_probe_seconds if probe_seconds is not None else 1.0
 
-    def _next_choice(self, state, expected: dict[int, float]) -> int:
+    def _next_choice(self, state, expected: dict[int, float], prior: dict[int, float]) -> int:
         if state.first_looks:
-            return super()._next_choice(state, expected)
+            return super()._next_choice(state, expected, prior)
         best = self._settle_incumbent(state, expected)
         if best not in state.observations:
-            return super()._next_choice(state, expected)
+            return super()._next_choice(state, expected, prior)
         reference = self.slowdowns[max(state.observations[best], key=lambda obs: obs.tokens_per_s / obs.tokens_per_request_step).number]
         for k in sorted(state.observations, key=lambda k: -expected[k]):
             slowdown = self.slowdowns[state.observations[k][0].number]
@@ -209,7 +209,7 @@ class SlowedSecondLook(AdaptiveSpeculation):
                 and expected[k] * (slowdown / reference) ** (self.TRACKING_HIGHEST - TRACKING) >= expected[best]
             ):  # fmt: skip
                 return k
-        return super()._next_choice(state, expected)
+        return super()._next_choice(state, expected, prior)
 
 
 # A slow start (``--slow-start``): the speed of a run's rollouts 1-11, and the profile's reading of

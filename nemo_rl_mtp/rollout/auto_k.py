@@ -40,6 +40,17 @@ of two) and per greedy/sampled (they accept differently):
   costlier one after proportionally more rollouts (``refresh_interval``: a gap of 30% with free
   switches waits 60), so its refreshes cost on average ``FAR_REFRESH_COST`` of a rollout and no
   estimate stays stale for a whole run.
+- **Rechecks.** The prior's best, where the estimates put another k ahead of it (the prior by
+  more than ``HYSTERESIS`` behind it), run fewer than ``WINDOW`` times in this context and
+  estimated ``RECHECK_BELOW`` or more below what the prior implies for it (its prior over the
+  best's, times the best's estimate), runs again at once, until it has run ``WINDOW`` times or
+  its estimate stops contradicting the prior that far (the profile's error on this CPU: 2-15%).
+  The profile times every k in rounds, each k's passes beside the others' in one state of the
+  machine; a look is one rollout at one time. In the default recipe's 70 ms rollouts the same
+  work ran 75 or 135 ms in spells of about ten (2026-12-06), and in three default runs that day
+  k = 0's one look read 0.5-0.7x its later rollouts: auto ran k = 1, 1.2x slower, for 9-41
+  rollouts, until k = 0's second look or refresh. A recheck costs the prior's best's true gap to
+  the best k (nothing where the prior was right), at most ``WINDOW`` - 1 rollouts per context.
 - **Second looks.** k = 0 and the prior's best, if auto has moved on from either and it has run
   only its first look, run once more ``REFRESH_EVERY`` rollouts after it. The first looks come
   at the start of a run, where on a CPU the process is still warming up (in 3 of 6 default runs
@@ -65,7 +76,8 @@ is less). So over a run, tokens/s is at least (1 - HYSTERESIS) (1 - max_k REFRES
 REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one rollout's
 tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99
 = 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each plausible k one rollout
-per context (k = 0 and the prior's best at most two), once per run; a switch the estimates call for costs one rebuild. A confirmation runs
+per context (k = 0 and the prior's best at most two), once per run, and rechecks at most
+``WINDOW`` - 1 more of the prior's best; a switch the estimates call for costs one rebuild. A confirmation runs
 nothing of its own; where it sets aside a faster k's rollouts wrongly (its first rollout after the
 switch unlucky), that k is estimated from the unlucky rollout until it runs again: an error of
 one rollout's measurement, which the bound leaves out as it does any other.
@@ -129,6 +141,9 @@ MIN_GAIN = 1.03
 FIRST_LOOK_WITHIN = 0.7
 # The incumbent k is kept unless another is estimated faster by more than this fraction.
 HYSTERESIS = 0.01
+# The prior's best, where another k is estimated ahead of it, measured fewer than WINDOW times and
+# estimated this fraction or more below what the prior implies for it, runs again at once.
+RECHECK_BELOW = 0.2
 # A k estimated at least (1 - REFRESH_WITHIN) of the incumbent is re-measured every REFRESH_EVERY
 # rollouts of its context.
 REFRESH_WITHIN = 0.10
@@ -171,6 +186,7 @@ class ContextState:
     unconfirmed: tuple[int, int] | None = None  # (the k left behind, the k switched to) until the latter's next rollout
     priors_best: int = 0  # the k the prior put first (the first looks' last)
     second_looks: set[int] = dataclasses.field(default_factory=set)  # the k whose first look has been repeated
+    runs: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # rollouts of each k here, set aside or not
 
     def since_measured(self, k: int) -> float:
         """Rollouts of this context since k's latest (infinite if k never ran here)."""
@@ -201,6 +217,19 @@ def _refresh_due(state: ContextState, k: int, relative: float, switch_cost: floa
     if k not in state.observations:
         return relative >= 1.0 - REFRESH_WITHIN
     return state.since_measured(k) + 1 >= refresh_interval(relative, switch_cost)
+
+
+def _recheck_due(state: ContextState, expected: dict[int, float], prior: dict[int, float], best: int) -> bool:
+    """Whether the prior's best is due a recheck (module docstring, "Rechecks"): not the best
+    estimate, put ahead of it by the prior (by more than ``HYSTERESIS``), run here fewer
+    than ``WINDOW`` times, and estimated ``RECHECK_BELOW`` or more below what the prior implies
+    for it (its prior over ``best``'s, times ``best``'s estimate)."""
+    k = state.priors_best
+    implied = expected[best] * prior[k] / prior[best]
+    return (
+        k != best and 0 < state.runs[k] < WINDOW and prior[k] > (1.0 + HYSTERESIS) * prior[best]
+        and expected[k] < (1.0 - RECHECK_BELOW) * implied
+    )  # fmt: skip
 
 
 def batch_bucket(num_requests: int) -> int:
@@ -312,7 +341,7 @@ class AdaptiveSpeculation:
         if state.first_looks is None:
             state.first_looks = self._first_looks(expected)
             state.incumbent = state.priors_best = state.first_looks[-1]
-        k = self._next_choice(state, expected)
+        k = self._next_choice(state, expected, self.prior(bucket, greedy, num_requests))
         return Choice(k, expected[k] * self.speed)
 
     def _first_looks(self, expected: dict[int, float]) -> list[int]:
@@ -326,10 +355,12 @@ class AdaptiveSpeculation:
         plausible = [k for k in self.candidates if k != best and (k == 0 or expected[k] >= FIRST_LOOK_WITHIN * expected[best])]
         return [*sorted(plausible, key=lambda k: (expected[k], -k)), best]
 
-    def _next_choice(self, state: ContextState, expected: dict[int, float]) -> int:
+    def _next_choice(self, state: ContextState, expected: dict[int, float], prior: dict[int, float]) -> int:
         if state.first_looks:
             return state.first_looks[0]
         best = self._settle_incumbent(state, expected)
+        if _recheck_due(state, expected, prior, best):
+            return state.priors_best
         second_looks = self._second_looks_due(state)
         if second_looks:
             state.second_looks.add(second_looks[0])
@@ -380,6 +411,7 @@ class AdaptiveSpeculation:
         state.rollout_seconds = seconds
         observation = Observation(state.rollouts, tokens / max(seconds, 1e-9) / self.speed, tokens_per_request_step)
         state.observations.setdefault(k, collections.deque(maxlen=WINDOW)).append(observation)
+        state.runs[k] += 1
         state.requests_per_step = tokens / (max(steps, 1) * tokens_per_request_step)
         if state.unconfirmed is not None and state.unconfirmed[1] == k:
             self._confirm_switch(bucket, greedy, state)

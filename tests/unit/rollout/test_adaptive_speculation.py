@@ -129,12 +129,16 @@ def test_acceptance_measured_since_the_last_training_step_beats_the_forecast():
 def test_a_profile_that_favours_drafts_gives_way_to_the_rollouts_that_measure_them_slower():
     """The profile expects k = 1 at 146/s against 100/s (3-step rollouts of short prompts), but
     rollouts realise 1,000 tokens/s at k = 0 and 830 at k = 1 (long responses: the default
-    recipe's case): the first looks run k = 0, k = 2 (the prior's 135/s is plausible) and k = 1
-    (the prior's best) once each, then k = 0 from there on."""
+    recipe's case before its profile ran such rollouts whole): the first looks run k = 0, k = 2
+    (the prior's 135/s is plausible) and k = 1 (the prior's best) once each; k = 1, read at 0.57x
+    what the prior implies for it, is rechecked until it has run WINDOW = 3 times (what a profile
+    this wrong costs, once per context), then k = 0 runs from there on. k = 2, not the prior's
+    best, is not rechecked."""
+    assert adaptive_speculation.WINDOW == 3
     tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.0155}, _counts([100, 100], [90, 20]))
     realised = {0: 1000.0, 1: 830.0, 2: 700.0}
-    chosen = [_rollout(tuner, realised) for _ in range(12)]
-    assert chosen[:3] == [0, 2, 1] and set(chosen[3:]) == {0}, chosen
+    chosen = [_rollout(tuner, realised) for _ in range(14)]
+    assert chosen[:5] == [0, 2, 1, 1, 1] and set(chosen[5:]) == {0}, chosen
 
 
 def test_the_fastest_measured_k_is_kept_and_the_others_refreshed_in_proportion_to_their_gap():
@@ -197,12 +201,29 @@ class _UnluckyLookAtOne(dict):
         return super().__getitem__(k)
 
 
-def test_the_priors_best_left_after_an_unlucky_first_look_is_looked_at_again():
-    """k = 1 is truly the fastest (1,000/s against k = 0's 800/s), as the profile says, but its one
-    look, the first looks' last (rollout 2), came out at 600/s: auto moves to k = 0, looks at k = 1
-    again REFRESH_EVERY rollouts after its first look (rollout 12), finds 1,000/s and keeps k = 1
-    from there on. Control: without that second look k = 1 (25% below k = 0 as estimated) waits
-    for its far refresh, (1 - 600/800) / FAR_REFRESH_COST = 50 rollouts on."""
+def test_the_priors_best_after_an_unlucky_first_look_is_rechecked_at_once():
+    """k = 1 is truly the fastest (1,000/s against k = 0's 800/s), as the profile says (1.52x k =
+    0), but its one look, the first looks' last (rollout 2), came out at 600/s: 0.49x what the
+    prior implies for it against k = 0's 800 (1,216/s), beyond RECHECK_BELOW = 20%. It runs again
+    at once (rollout 3), finds 1,000/s and keeps k = 1 from there on (but for k = 0's second look,
+    REFRESH_EVERY rollouts after its first). Controls (the next test): without rechecks
+    auto moves to k = 0 and looks at k = 1 again REFRESH_EVERY rollouts after its first look
+    (rollout 12, the second look); without that second look either, k = 1 (25% below k = 0 as
+    estimated) waits for its far refresh, (1 - 600/800) / FAR_REFRESH_COST = 50 rollouts on."""
+    assert adaptive_speculation.RECHECK_BELOW == 0.2
+    tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
+    realised = _UnluckyLookAtOne({0: 800.0, 1: 1000.0})
+    chosen = [_rollout(tuner, realised) for _ in range(20)]
+    assert [number for number, k in enumerate(chosen, start=1) if k == 0] == [1, 11], chosen  # 11: k = 0's second look
+    assert 600.0 < (1.0 - 0.2) * 800.0 * 1.9 / 0.0125 / 100.0
+
+
+def test_without_a_recheck_the_priors_best_is_looked_at_again(monkeypatch):
+    """The previous test's run with rechecks off (a look within RECHECK_BELOW of the prior's
+    word, or one k measured thrice): the second look at the prior's best, REFRESH_EVERY rollouts
+    after its first, finds k = 1's 1,000/s (rollout 12). Control: without the second look
+    either, k = 1 runs once only in 20 rollouts."""
+    monkeypatch.setattr(adaptive_speculation, "RECHECK_BELOW", 1.0)
     tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
     realised = _UnluckyLookAtOne({0: 800.0, 1: 1000.0})
     chosen = [_rollout(tuner, realised) for _ in range(20)]
@@ -253,7 +274,7 @@ def test_two_slowed_rollouts_of_three_do_not_hide_a_ks_speed():
     is below k = 1's 800/s: a median would have switched to the slower k."""
     tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
     realised = {0: 1000.0, 1: 800.0}
-    for _ in range(5):  # the first looks (k = 0, then k = 1, the prior's best), k = 0 settled
+    for _ in range(7):  # the first looks (k = 0, then k = 1, the prior's best, rechecked twice), k = 0 settled
         _rollout(tuner, realised)
     state = tuner.context(32, False)
     assert state.incumbent == 0 and len(state.observations[0]) == adaptive_speculation.WINDOW
@@ -267,13 +288,14 @@ def test_two_slowed_rollouts_of_three_do_not_hide_a_ks_speed():
 
 def _run_through_a_slow_spell(spell: list[float], confirmed: bool = True) -> list[int]:
     """k = 0 runs at 1,000 tokens/s, k = 1 at 800/s; after the first looks (k = 0, then k = 1, the
-    profile's best) and one settled rollout of k = 0, the machine runs at ``spell[n]`` x its
-    speed in rollout 4 + n, whichever k runs (the probe not told: it hardly sees such spells), at
-    full speed after. The k of 12 rollouts; ``confirmed=False`` switches confirmation off."""
+    profile's best, rechecked twice: the profile puts it at 1.52x k = 0) and one settled rollout
+    of k = 0, the machine runs at ``spell[n]`` x its speed in rollout 6 + n, whichever k runs
+    (the probe not told: it hardly sees such spells), at full speed after. The k of 14
+    rollouts; ``confirmed=False`` switches confirmation off."""
     tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
     if not confirmed:
         tuner._confirm_switch = lambda bucket, greedy, state: None
-    speeds = [1.0, 1.0, 1.0, *spell, *[1.0] * (9 - len(spell))]
+    speeds = [1.0] * 5 + [*spell, *[1.0] * (9 - len(spell))]
     return [_rollout(tuner, {0: 1000.0 * speed, 1: 800.0 * speed}) for speed in speeds]
 
 
@@ -285,9 +307,10 @@ def test_a_switch_made_in_a_slow_spell_is_undone_by_the_new_ks_first_rollout():
     Control: without the confirmation auto stays on k = 1 (k = 0's refresh is far: 0.25 of a
     rollout's gap / FAR_REFRESH_COST = 50 rollouts). And where the spell ends with the switch
     (k = 1's rollout at its 800/s, faster than k = 0's 600), the switch stands."""
-    assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6]) == [0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
-    assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6], confirmed=False) == [0, 1, 0, 0, 0, 0, *[1] * 6]  # the control
-    assert _run_through_a_slow_spell([0.6, 0.6, 0.6]) == [0, 1, 0, 0, 0, 0, *[1] * 6]
+    start = [0, 1, 1, 1, 0]  # the first looks, k = 1's rechecks, k = 0 settled
+    assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6]) == [*start, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6], confirmed=False) == [*start, 0, 0, 0, *[1] * 6]  # the control
+    assert _run_through_a_slow_spell([0.6, 0.6, 0.6]) == [*start, 0, 0, 0, *[1] * 6]
 
 
 def _rollouts_at_speeds(tokens_per_s: dict[int, float], speeds: list[float], probed: bool) -> list[int]:
