@@ -141,7 +141,7 @@ MIN_GAIN = 1.03
 FIRST_LOOK_WITHIN = 0.7
 # The incumbent k is kept unless another is estimated faster by more than this fraction.
 HYSTERESIS = 0.01
-# The prior's best, where another k is estimated ahead of it, measured fewer than WINDOW times and
+# The prior's best, where another k is estimated ahead of it, run fewer than WINDOW times here and
 # estimated this fraction or more below what the prior implies for it, runs again at once.
 RECHECK_BELOW = 0.2
 # A k estimated at least (1 - REFRESH_WITHIN) of the incumbent is re-measured every REFRESH_EVERY

@@ -366,7 +366,7 @@ class Rollout:
 def check_room_for_responses(prompts: list[list[int]], max_new_tokens: int, max_sequence_length: int) -> None:
     """Refuse, before any request reaches the engine (or ``auto``'s profile), a prompt without room
     for ``max_new_tokens`` after it in ``max_sequence_length``. megatron-core (0.19.2 measured)
-    would cut such a response short without a word (a 18-token prompt got 6 of 12 new tokens in a
+    would cut such a response short without a word (an 18-token prompt got 6 of 12 new tokens in a
     24-token engine), fail inside its own bookkeeping on a prompt that fills the sequence exactly
     (an IndexError in ``post_process_requests``), and refuse a longer one with a warning: a
     rollout cut short would reach training as if the policy had ended it. The GRPO loop checks its
