@@ -26,7 +26,9 @@ S (this CPU's profiles of one cell read c_2 / c_0 from 2.6 to 3.0 on 2026-12-06)
 the start of some default GRPO runs on this CPU) and the profile favour drafting (k >= 1's step
 costs read 0.7x: the default recipe's profile put k = 1 first where k = 0 was 1.2x faster). Both
 tables also run the rule **without confirmation** (a switch is no longer checked against the new
-k's first rollout after it), **without the second look at k = 0** (both in the rule since
+k's first rollout after it), **without rechecks** (the prior's best no longer run again at once
+where a look contradicts the profile by 20% or more: in the rule since 2026-12-06, night),
+**without the second look at k = 0** (both in the rule since
 2026-12-06), **without the second look at the prior's best**, with **the prior's best first**
 (the first looks' order until 2026-12-06: the prior's best, then k = 0, then the others; the
 rule runs the prior's best last), and with a **look back** (after a switch the new k's first
@@ -87,6 +89,14 @@ class WithoutConfirmation(AdaptiveSpeculation):
 
     def _confirm_switch(self, bucket: int, greedy: bool, state) -> None:
         state.unconfirmed = None
+
+
+class WithoutRechecks(AdaptiveSpeculation):
+    """The rule with the prior's best no longer rechecked where a look contradicts the profile."""
+
+    @staticmethod
+    def _recheck_due(state, expected: dict[int, float], prior: dict[int, float], best: int) -> bool:
+        return False
 
 
 class WithoutSecondLookAtZero(AdaptiveSpeculation):
@@ -265,7 +275,8 @@ def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: fl
     round), rollout n of a run as slow as the trace's rollout there against the trace's median;
     the probe's readings the trace's, or its rollouts' slowness to the power 1 / ``probe_tracking``."""
     rules = {"as measured": (AdaptiveSpeculation, False), "read at the machine's speed (auto)": (AdaptiveSpeculation, True),
-             "read so, without confirmation": (WithoutConfirmation, True), "read so, without the second look at k = 0": (WithoutSecondLookAtZero, True),
+             "read so, without confirmation": (WithoutConfirmation, True), "read so, without rechecks": (WithoutRechecks, True),
+             "read so, without the second look at k = 0": (WithoutSecondLookAtZero, True),
              "read so, without the second look at the prior's best": (WithoutSecondLookAtPriorsBest, True),
              "read so, the prior's best first": (PriorsBestFirst, True), "read so, with a slowed second look": (SlowedSecondLook, True),
              "read so, with a look back": (LookBack, True), "read so, like for like": (LikeForLike, True)}  # fmt: skip
@@ -335,7 +346,8 @@ def main() -> None:
     if args.traces:
         trace_table(args.traces, args.probe_tracking, args.switch_cost, args.slow_start, args.prior_noise)
         return
-    rules = {"auto": AdaptiveSpeculation, "without confirmation": WithoutConfirmation, "without the second look at k = 0": WithoutSecondLookAtZero,
+    rules = {"auto": AdaptiveSpeculation, "without confirmation": WithoutConfirmation, "without rechecks": WithoutRechecks,
+             "without the second look at k = 0": WithoutSecondLookAtZero,
              "without the second look at the prior's best": WithoutSecondLookAtPriorsBest,
              "the prior's best first": PriorsBestFirst, "look back": LookBack, "like for like": LikeForLike, "second look": SecondLook}  # fmt: skip
     slow = "; runs start slow, the profile favouring drafts" if args.slow_start else ""

@@ -219,19 +219,6 @@ def _refresh_due(state: ContextState, k: int, relative: float, switch_cost: floa
     return state.since_measured(k) + 1 >= refresh_interval(relative, switch_cost)
 
 
-def _recheck_due(state: ContextState, expected: dict[int, float], prior: dict[int, float], best: int) -> bool:
-    """Whether the prior's best is due a recheck (module docstring, "Rechecks"): not the best
-    estimate, put ahead of it by the prior (by more than ``HYSTERESIS``), run here fewer
-    than ``WINDOW`` times, and estimated ``RECHECK_BELOW`` or more below what the prior implies
-    for it (its prior over ``best``'s, times ``best``'s estimate)."""
-    k = state.priors_best
-    implied = expected[best] * prior[k] / prior[best]
-    return (
-        k != best and 0 < state.runs[k] < WINDOW and prior[k] > (1.0 + HYSTERESIS) * prior[best]
-        and expected[k] < (1.0 - RECHECK_BELOW) * implied
-    )  # fmt: skip
-
-
 def batch_bucket(num_requests: int) -> int:
     """Step costs are kept per batch size, rounded up to a power of two."""
     return 1 << max(num_requests - 1, 0).bit_length()
@@ -359,7 +346,7 @@ class AdaptiveSpeculation:
         if state.first_looks:
             return state.first_looks[0]
         best = self._settle_incumbent(state, expected)
-        if _recheck_due(state, expected, prior, best):
+        if self._recheck_due(state, expected, prior, best):
             return state.priors_best
         second_looks = self._second_looks_due(state)
         if second_looks:
@@ -379,6 +366,19 @@ class AdaptiveSpeculation:
             state.unconfirmed = (state.incumbent, best)
         state.incumbent = best
         return best
+
+    @staticmethod
+    def _recheck_due(state: ContextState, expected: dict[int, float], prior: dict[int, float], best: int) -> bool:
+        """Whether the prior's best is due a recheck (module docstring, "Rechecks"): not the best
+        estimate, put ahead of it by the prior (by more than ``HYSTERESIS``), run here fewer
+        than ``WINDOW`` times, and estimated ``RECHECK_BELOW`` or more below what the prior implies
+        for it (its prior over ``best``'s, times ``best``'s estimate)."""
+        k = state.priors_best
+        implied = expected[best] * prior[k] / prior[best]
+        return (
+            k != best and 0 < state.runs[k] < WINDOW and prior[k] > (1.0 + HYSTERESIS) * prior[best]
+            and expected[k] < (1.0 - RECHECK_BELOW) * implied
+        )  # fmt: skip
 
     @staticmethod
     def _second_looks_due(state: ContextState) -> list[int]:

@@ -218,17 +218,18 @@ def test_the_priors_best_after_an_unlucky_first_look_is_rechecked_at_once():
     assert 600.0 < (1.0 - 0.2) * 800.0 * 1.9 / 0.0125 / 100.0
 
 
-def test_without_a_recheck_the_priors_best_is_looked_at_again(monkeypatch):
-    """The previous test's run with rechecks off (a look within RECHECK_BELOW of the prior's
-    word, or one k measured thrice): the second look at the prior's best, REFRESH_EVERY rollouts
-    after its first, finds k = 1's 1,000/s (rollout 12). Control: without the second look
-    either, k = 1 runs once only in 20 rollouts."""
-    monkeypatch.setattr(adaptive_speculation, "RECHECK_BELOW", 1.0)
+def test_without_a_recheck_the_priors_best_is_looked_at_again():
+    """The previous test's run with rechecks off (as where a look falls within RECHECK_BELOW of
+    the prior's word): the second look at the prior's best, REFRESH_EVERY rollouts after its
+    first, finds k = 1's 1,000/s (rollout 12). Control: without the second look either, k = 1
+    runs once only in 20 rollouts."""
     tuner = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
+    tuner._recheck_due = lambda state, expected, prior, best: False
     realised = _UnluckyLookAtOne({0: 800.0, 1: 1000.0})
     chosen = [_rollout(tuner, realised) for _ in range(20)]
     assert [number for number, k in enumerate(chosen, start=1) if k == 1] == [2, *range(12, 21)], chosen
     control = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
+    control._recheck_due = lambda state, expected, prior, best: False
     control._second_looks_due = lambda state: [k for k in AdaptiveSpeculation._second_looks_due(state) if k == 0]
     realised = _UnluckyLookAtOne({0: 800.0, 1: 1000.0})
     chosen = [_rollout(control, realised) for _ in range(20)]
