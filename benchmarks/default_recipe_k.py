@@ -1,7 +1,7 @@
 """Whole GRPO runs of the default recipe at k = 0, 1 and auto, side by side: what ``auto`` costs
 or buys where users run it.
 
-    uv run python -m benchmarks.default_recipe_k [--rounds 3] [--beside-load] [--together] [key=value ...]
+    uv run python -m benchmarks.default_recipe_k [--rounds 3] [--beside-load] [--together] [--keep-logs DIR] [key=value ...]
 
 Each round runs ``examples/run_grpo.py`` once per k (same seed, each its own run directory), the
 order rotated from round to round so that a drift of the machine does not fall on one k. Per run:
@@ -13,6 +13,9 @@ better (a ratio of at most 1.03). A whole run on a shared VM can run 40% slower 
 every phase, generation, logprobs and training alike; so also per step, generation time over the
 same step's logprobs time (a forward of the same batch at every k), whose medians keep what k
 changes and leave the machine's speed out.
+
+``--keep-logs DIR`` keeps the runs' directories (by default in a temporary one, deleted at the
+end): a round where auto drafted more than usual can then be read rollout by rollout.
 
 ``--beside-load`` runs a second CPU-bound process (a one-thread matmul loop, as in
 ``benchmarks.rollout_throughput``) beside all the runs.
@@ -144,10 +147,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="a multiple of 3 puts each k once in each position of the order")
     parser.add_argument("--beside-load", action="store_true", help="run a second CPU-bound process (a one-thread matmul loop) beside all the runs")
     parser.add_argument("--together", action="store_true", help="start each round's three runs at the same time (module docstring)")
+    parser.add_argument("--keep-logs", type=Path, help="write the runs' directories (metrics.jsonl: auto's choice per rollout) here and keep them")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
+    if args.keep_logs:
+        if args.keep_logs.exists() and any(args.keep_logs.iterdir()):
+            raise SystemExit(f"--keep-logs {args.keep_logs}: not empty (a run of the same name there would be read in place of this one's)")
+        args.keep_logs.mkdir(parents=True, exist_ok=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="default_recipe_k_") as root, beside_load() if args.beside_load else contextlib.nullcontext():
+    logs = contextlib.nullcontext(str(args.keep_logs)) if args.keep_logs else tempfile.TemporaryDirectory(prefix="default_recipe_k_")
+    with logs as root, beside_load() if args.beside_load else contextlib.nullcontext():
         for round_number in range(1, args.rounds + 1):
             shift = (round_number - 1) % len(KS)
             order = KS[shift:] + KS[:shift]
