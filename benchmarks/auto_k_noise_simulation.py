@@ -28,7 +28,9 @@ costs read 0.7x: the default recipe's profile put k = 1 first where k = 0 was 1.
 tables also run the rule **without confirmation** (a switch is no longer checked against the new
 k's first rollout after it), **without rechecks** (the prior's best no longer run again at once
 where a look contradicts the profile by 20% or more: in the rule since 2026-12-06, night),
-**without the second look at k = 0** (both in the rule since
+**plausible k looked at only** (the first looks as until late on 2026-12-06: k = 0 and the k the
+prior puts within 70% of its best; a k left out ran once its scaled prior came within 10% of
+the best estimate), **without the second look at k = 0** (both in the rule since
 2026-12-06), **without the second look at the prior's best**, with **the prior's best first**
 (the first looks' order until 2026-12-06: the prior's best, then k = 0, then the others; the
 rule runs the prior's best last), and with a **look back** (after a switch the new k's first
@@ -99,6 +101,21 @@ class WithoutRechecks(AdaptiveSpeculation):
         return False
 
 
+class PlausibleLooksOnly(AdaptiveSpeculation):
+    """The first looks as until late on 2026-12-06: k = 0 and the k whose prior is within 70% of the
+    best's; a k left out runs once its estimate (its prior, scaled) comes within REFRESH_WITHIN."""
+
+    def _first_looks(self, expected: dict[int, float]) -> list[int]:
+        *others, best = super()._first_looks(expected)
+        return [*(k for k in others if k == 0 or expected[k] >= 0.7 * expected[best]), best]
+
+    @staticmethod
+    def _refresh_due(state, k: int, relative: float, switch_cost: float) -> bool:
+        if k not in state.observations:
+            return relative >= 1.0 - REFRESH_WITHIN
+        return AdaptiveSpeculation._refresh_due(state, k, relative, switch_cost)
+
+
 class WithoutSecondLookAtZero(AdaptiveSpeculation):
     """The rule with k = 0's first look not repeated (the prior's best's still is)."""
 
@@ -117,7 +134,7 @@ class WithoutSecondLookAtPriorsBest(AdaptiveSpeculation):
 
 class PriorsBestFirst(AdaptiveSpeculation):
     """The first looks as until 2026-12-06: the prior's best first (and the incumbent), then k = 0,
-    then the other plausible k from the most promising down."""
+    then the others from the most promising down."""
 
     def _first_looks(self, expected: dict[int, float]) -> list[int]:
         *others, best = super()._first_looks(expected)
@@ -276,6 +293,7 @@ def trace_table(paths: list[Path], probe_tracking: float | None, switch_cost: fl
     the probe's readings the trace's, or its rollouts' slowness to the power 1 / ``probe_tracking``."""
     rules = {"as measured": (AdaptiveSpeculation, False), "read at the machine's speed (auto)": (AdaptiveSpeculation, True),
              "read so, without confirmation": (WithoutConfirmation, True), "read so, without rechecks": (WithoutRechecks, True),
+             "read so, plausible k looked at only": (PlausibleLooksOnly, True),
              "read so, without the second look at k = 0": (WithoutSecondLookAtZero, True),
              "read so, without the second look at the prior's best": (WithoutSecondLookAtPriorsBest, True),
              "read so, the prior's best first": (PriorsBestFirst, True), "read so, with a slowed second look": (SlowedSecondLook, True),
@@ -347,6 +365,7 @@ def main() -> None:
         trace_table(args.traces, args.probe_tracking, args.switch_cost, args.slow_start, args.prior_noise)
         return
     rules = {"auto": AdaptiveSpeculation, "without confirmation": WithoutConfirmation, "without rechecks": WithoutRechecks,
+             "plausible k looked at only": PlausibleLooksOnly,
              "without the second look at k = 0": WithoutSecondLookAtZero,
              "without the second look at the prior's best": WithoutSecondLookAtPriorsBest,
              "the prior's best first": PriorsBestFirst, "look back": LookBack, "like for like": LikeForLike, "second look": SecondLook}  # fmt: skip

@@ -23,10 +23,12 @@ of two) and per greedy/sampled (they accept differently):
   three a median took them for the k's speed. A k not measured yet is estimated by its prior in
   proportion to the latest measured k's (the profile's short sequences set the ratios, the
   rollouts the scale).
-- **Choice.** A context's first rollouts are its first looks: k = 0 and every k whose prior is
-  within ``FIRST_LOOK_WITHIN`` of the best run once each (the profile can be wrong by tens of
-  percent: in the default recipe it chose k = 1 where k = 0 was 1.2x faster; k = 0 is always
-  looked at: it is what auto must never lose to). The prior's best runs last (a drafting k is
+- **Choice.** A context's first rollouts are its first looks: every candidate k runs once (the
+  profile can be wrong by tens of percent: in the default recipe it chose k = 1 where k = 0 was
+  1.2x faster, and beside another job one profile read k = 1's step at 2.94x k = 0's where
+  the same work read 1.90x, putting k = 1, 1.09x k = 0 in rollouts, at 0.68x; until late on
+  2026-12-06 only the k the prior put within 70% of its best were looked at, and that k = 1
+  never ran: a k never measured is outside the bound below). The prior's best runs last (a drafting k is
   the best only where it beats k = 0 by ``MIN_GAIN``) and is the incumbent, the others before it
   from the least promising up: where the prior was right, the rollouts after the looks go on
   with the last look's k, without a change of k (until 2026-12-06 the prior's best ran first,
@@ -75,7 +77,7 @@ rollouts since that k last ran, is at most REFRESH_WITHIN / REFRESH_EVERY (``FAR
 is less). So over a run, tokens/s is at least (1 - HYSTERESIS) (1 - max_k REFRESH_WITHIN /
 REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one rollout's
 tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99
-= 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each plausible k one rollout
+= 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each k one rollout
 per context (k = 0 and the prior's best at most two), once per run, and rechecks at most
 ``WINDOW`` - 1 more of the prior's best; a switch the estimates call for costs one rebuild. A confirmation runs
 nothing of its own; where it sets aside a faster k's rollouts wrongly (its first rollout after the
@@ -137,8 +139,6 @@ PROFILE_PASSES = 3
 MIN_PROPOSALS = 8
 # The first rollout speculates only where the prior expects it to beat k = 0 by this factor.
 MIN_GAIN = 1.03
-# After the first rollout, every k whose prior is at least this fraction of the best is run once.
-FIRST_LOOK_WITHIN = 0.7
 # The incumbent k is kept unless another is estimated faster by more than this fraction.
 HYSTERESIS = 0.01
 # The prior's best, where another k is estimated ahead of it, run fewer than WINDOW times here and
@@ -208,15 +208,6 @@ def refresh_interval(relative: float, switch_cost: float = 0.0) -> float:
     if cost <= REFRESH_WITHIN:
         return REFRESH_EVERY
     return math.ceil(round(cost / FAR_REFRESH_COST, 6))  # rounded: 0.3 / 0.005 is 59.99999999999999
-
-
-def _refresh_due(state: ContextState, k: int, relative: float, switch_cost: float) -> bool:
-    """Whether k, estimated at ``relative`` x the chosen k, is due a rollout: a measured k after
-    its ``refresh_interval``; one never measured here (its prior was implausible at the first
-    looks) once its estimate comes within REFRESH_WITHIN."""
-    if k not in state.observations:
-        return relative >= 1.0 - REFRESH_WITHIN
-    return state.since_measured(k) + 1 >= refresh_interval(relative, switch_cost)
 
 
 def batch_bucket(num_requests: int) -> int:
@@ -332,15 +323,14 @@ class AdaptiveSpeculation:
         return Choice(k, expected[k] * self.speed)
 
     def _first_looks(self, expected: dict[int, float]) -> list[int]:
-        """The k a new context runs once each, in this order (module docstring, "Choice"): k = 0
-        and every k whose prior is within ``FIRST_LOOK_WITHIN`` of the best, the prior's best last
-        (a drafting k only where it beats k = 0 by ``MIN_GAIN``), the others before it from the
-        least promising up."""
+        """The k a new context runs once each, in this order (module docstring, "Choice"): every
+        candidate, the prior's best last (a drafting k only where it beats k = 0 by
+        ``MIN_GAIN``), the others before it from the least promising up."""
         best = max(self.candidates, key=lambda k: (expected[k], -k))
         if expected[best] < MIN_GAIN * expected[0]:
             best = 0
-        plausible = [k for k in self.candidates if k != best and (k == 0 or expected[k] >= FIRST_LOOK_WITHIN * expected[best])]
-        return [*sorted(plausible, key=lambda k: (expected[k], -k)), best]
+        others = [k for k in self.candidates if k != best]
+        return [*sorted(others, key=lambda k: (expected[k], -k)), best]
 
     def _next_choice(self, state: ContextState, expected: dict[int, float], prior: dict[int, float]) -> int:
         if state.first_looks:
@@ -353,8 +343,14 @@ class AdaptiveSpeculation:
             state.second_looks.add(second_looks[0])
             return second_looks[0]
         switch_cost = self.switch_cost(state)
-        due = [k for k in self.candidates if k != best and _refresh_due(state, k, expected[k] / expected[best], switch_cost)]
+        due = [k for k in self.candidates if k != best and self._refresh_due(state, k, expected[k] / expected[best], switch_cost)]
         return max(due, key=state.since_measured) if due else best
+
+    @staticmethod
+    def _refresh_due(state: ContextState, k: int, relative: float, switch_cost: float) -> bool:
+        """Whether k, estimated at ``relative`` x the chosen k, is due a rollout: after its
+        ``refresh_interval`` (every k has run here: the first looks run each once)."""
+        return state.since_measured(k) + 1 >= refresh_interval(relative, switch_cost)
 
     def _settle_incumbent(self, state: ContextState, expected: dict[int, float]) -> int:
         """The k with the best estimate, the incumbent kept unless beaten by ``HYSTERESIS``; a new

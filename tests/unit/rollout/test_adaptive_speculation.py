@@ -141,6 +141,37 @@ def test_a_profile_that_favours_drafts_gives_way_to_the_rollouts_that_measure_th
     assert chosen[:5] == [0, 2, 1, 1, 1] and set(chosen[5:]) == {0}, chosen
 
 
+def test_a_k_the_profile_puts_far_below_the_best_is_looked_at_once_and_kept_where_rollouts_find_it_fastest():
+    """The profile misreads k = 1's step at 3x k = 0's (beside another job on 2026-12-06 one read
+    2.94x where the same work read 1.90x): k = 1's prior, 1.9 tokens per 30 ms (63/s a request),
+    is 0.37x k = 2's (2.7 per 16 ms), but rollouts run k = 1 at 1,000 tokens/s against k = 2's
+    900 and k = 0's 700. Every k is looked at once, the least promising by the prior first, so
+    k = 1 runs at rollout 1, and from the looks on k = 1 runs but for k = 2's two rechecks (the
+    prior's best, read far below what the prior implies for it) and the others' second looks and
+    refreshes. Control: the first looks as until late on 2026-12-06 (k = 0 and the k the prior
+    puts within 70% of its best; a k left out ran once its prior, scaled to the rollouts, came
+    within REFRESH_WITHIN of the best estimate): k = 1 never runs in 40 rollouts."""
+    profile, realised = {0: 0.010, 1: 0.030, 2: 0.016}, {0: 700.0, 1: 1000.0, 2: 900.0}
+    tuner = _tuner(profile, _counts([100, 100], [90, 80]))
+    chosen = [_rollout(tuner, realised, rates=(0.9, 0.8)) for _ in range(40)]
+    assert chosen[:5] == [1, 0, 2, 2, 2] and chosen.count(1) >= 30, chosen
+    control = _tuner(profile, _counts([100, 100], [90, 80]))
+
+    def plausible_looks_only(expected: dict[int, float]) -> list[int]:
+        *others, best = AdaptiveSpeculation._first_looks(control, expected)
+        return [*(k for k in others if k == 0 or expected[k] >= 0.7 * expected[best]), best]
+
+    def refresh_due_once_within_reach(state, k: int, relative: float, switch_cost: float) -> bool:
+        if k not in state.observations:
+            return relative >= 1.0 - adaptive_speculation.REFRESH_WITHIN
+        return AdaptiveSpeculation._refresh_due(state, k, relative, switch_cost)
+
+    control._first_looks, control._refresh_due = plausible_looks_only, refresh_due_once_within_reach
+    chosen = [_rollout(control, realised, rates=(0.9, 0.8)) for _ in range(40)]
+    assert 1 not in chosen and chosen[:2] == [0, 2], chosen
+    assert 1.9 / 0.030 < 0.7 * 2.7 / 0.016
+
+
 def test_the_fastest_measured_k_is_kept_and_the_others_refreshed_in_proportion_to_their_gap():
     """k = 1 realises 1,000/s, k = 2 960/s (within REFRESH_WITHIN = 10%), k = 0 700/s (30% below):
     k = 2 is re-run once every REFRESH_EVERY = 10 rollouts, k = 0 once every 0.3 / 0.005 = 60
