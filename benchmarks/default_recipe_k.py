@@ -1,7 +1,7 @@
 """Whole GRPO runs of the default recipe at k = 0, 1 and auto, side by side: what ``auto`` costs
 or buys where users run it.
 
-    uv run python -m benchmarks.default_recipe_k [--rounds 3] [--beside-load] [--together] [--keep-logs DIR] [key=value ...]
+    uv run python -m benchmarks.default_recipe_k [--rounds 3] [--beside-load] [--together] [--control] [--keep-logs DIR] [key=value ...]
 
 Each round runs ``examples/run_grpo.py`` once per k (same seed, each its own run directory), the
 order rotated from round to round so that a drift of the machine does not fall on one k. Per run:
@@ -13,6 +13,11 @@ better (a ratio of at most 1.03). A whole run on a shared VM can run 40% slower 
 every phase, generation, logprobs and training alike; so also per step, generation time over the
 same step's logprobs time (a forward of the same batch at every k), whose medians keep what k
 changes and leave the machine's speed out.
+
+``--control`` adds an A/A control to every round: a second run at k = 0 ("0 again"), the same
+work as the first, whose ratio to it is what the machine alone does to a ratio of two runs in
+this benchmark, the yardstick for auto's (in one round of three runs together on 2026-12-06 auto
+ran k = 0 in all 150 rollouts and its median generation came out 1.064x k = 0's).
 
 ``--keep-logs DIR`` keeps the runs' directories (by default in a temporary one, deleted at the
 end): a round where auto drafted more than usual can then be read rollout by rollout.
@@ -57,6 +62,8 @@ CHOSEN_K = ROLLOUT + NUM_SPECULATIVE_TOKENS
 # from the first step that speculates the runs diverge (their response lengths could too).
 TRAJECTORY = {"response length": in_scope(TRAIN, RESPONSE_LENGTH), "generation tokens/s": in_scope(ROLLOUT, TOKENS_PER_S)}
 KS = ("0", "1", "auto")
+# The A/A control (``--control``): a second run at k = 0.
+CONTROL = "0 again"
 # A step's generation time over its logprobs time: the logprobs pass does the same work at every k
 # (a forward of the step's batch), so a machine that runs a whole run 40% slower (seen on this
 # shared VM) slows both and the ratio keeps only what k changes.
@@ -79,8 +86,10 @@ def peak_tree_memory_mb(process: subprocess.Popen, peak: list[float]) -> None:
         return
 
 
-def start_run(k: str, overrides: list[str], run_root: Path, name: str) -> dict:
-    """``examples/run_grpo.py`` at ``k`` started, its memory sampled; :func:`finish_run` waits for it."""
+def start_run(variant: str, overrides: list[str], run_root: Path, name: str) -> dict:
+    """``examples/run_grpo.py`` for ``variant`` (a k, or ``CONTROL``) started, its memory sampled;
+    :func:`finish_run` waits for it."""
+    k = "0" if variant == CONTROL else variant
     command = [
         sys.executable, str(REPO_ROOT / "examples" / "run_grpo.py"),
         f"policy.generation.num_speculative_tokens={k}", f"logger.log_dir={run_root}", f"logger.run_name={name}", *overrides,
@@ -90,7 +99,7 @@ def start_run(k: str, overrides: list[str], run_root: Path, name: str) -> dict:
     peak = [0.0]
     sampler = threading.Thread(target=peak_tree_memory_mb, args=(process, peak), daemon=True)
     sampler.start()
-    return {"k": k, "name": name, "run_root": run_root, "process": process, "log": log, "sampler": sampler, "peak": peak, "started": time.monotonic()}
+    return {"k": variant, "name": name, "run_root": run_root, "process": process, "log": log, "sampler": sampler, "peak": peak, "started": time.monotonic()}
 
 
 def finish_run(run: dict) -> dict:
@@ -127,26 +136,32 @@ def table(results: list[dict]) -> str:
 
 
 def ratios(results: list[dict]) -> str:
-    """auto's medians over k = 0's, k = 1's and the better one's: per round, and over the steps of
-    every round pooled (each k ran once in each position of the order when the rounds are a
-    multiple of three, so a drift of the machine falls on every k alike). Times: lower is better;
+    """auto's medians over k = 0's, k = 1's and the better one's, and with the control the second
+    k = 0 run's over the first's: per round, and over the steps of every round pooled (each
+    variant ran once in each position of the order when the rounds are a multiple of the
+    variants, so a drift of the machine falls on every one alike). Times: lower is better;
     generation tokens/s: higher is. ``OVER_LOGPROBS`` takes the machine's speed out of each step."""
-    lines = ["| round | phase | auto / k = 0 | auto / k = 1 | auto / better |", "|---|---|---|---|---|"]
+    variants = list(dict.fromkeys(result["k"] for result in results))
+    control = CONTROL in variants
+    header = "| round | phase | auto / k = 0 | auto / k = 1 | auto / better |" + (" k = 0 again / k = 0 (A/A) |" if control else "")
+    lines = [header, "|---|---|---|---|---|" + ("---|" if control else "")]
     rounds = sorted({result["round"] for result in results})
     for round_number in [*rounds, "all"]:
         chosen = [result for result in results if round_number in ("all", result["round"])]
         for phase, better in (("generation", min), ("whole step", min), (OVER_LOGPROBS, min), ("generation tokens/s", max)):
-            median = {k: statistics.median(value for result in chosen if result["k"] == k for value in result["per_step"][phase]) for k in KS}
+            median = {k: statistics.median(value for result in chosen if result["k"] == k for value in result["per_step"][phase]) for k in variants}
             auto, k0, k1 = median["auto"], median["0"], median["1"]
-            lines.append(f"| {round_number} | {phase} | {auto / k0:.3f} | {auto / k1:.3f} | {auto / better(k0, k1):.3f} |")
+            aa = f" {median[CONTROL] / k0:.3f} |" if control else ""
+            lines.append(f"| {round_number} | {phase} | {auto / k0:.3f} | {auto / k1:.3f} | {auto / better(k0, k1):.3f} |{aa}")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="a multiple of 3 puts each k once in each position of the order")
+    parser.add_argument("--rounds", type=int, default=3, help="a multiple of the variants (3, 4 with --control) puts each once in each position of the order")
     parser.add_argument("--beside-load", action="store_true", help="run a second CPU-bound process (a one-thread matmul loop) beside all the runs")
     parser.add_argument("--together", action="store_true", help="start each round's three runs at the same time (module docstring)")
+    parser.add_argument("--control", action="store_true", help="add a second k = 0 run to every round, an A/A control (module docstring)")
     parser.add_argument("--keep-logs", type=Path, help="write the runs' directories (metrics.jsonl: auto's choice per rollout) here and keep them")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
@@ -154,17 +169,18 @@ def main() -> None:
         if args.keep_logs.exists() and any(args.keep_logs.iterdir()):
             raise SystemExit(f"--keep-logs {args.keep_logs}: not empty (a run of the same name there would be read in place of this one's)")
         args.keep_logs.mkdir(parents=True, exist_ok=True)
+    variants = (*KS, CONTROL) if args.control else KS
     results = []
     logs = contextlib.nullcontext(str(args.keep_logs)) if args.keep_logs else tempfile.TemporaryDirectory(prefix="default_recipe_k_")
     with logs as root, beside_load() if args.beside_load else contextlib.nullcontext():
         for round_number in range(1, args.rounds + 1):
-            shift = (round_number - 1) % len(KS)
-            order = KS[shift:] + KS[:shift]
+            shift = (round_number - 1) % len(variants)
+            order = variants[shift:] + variants[:shift]
             if args.together:
-                started = [start_run(k, args.overrides, Path(root), f"round{round_number}_k{k}") for k in order]
+                started = [start_run(k, args.overrides, Path(root), f"round{round_number}_k{k.replace(' ', '_')}") for k in order]
                 round_results = [finish_run(run) for run in started]
             else:
-                round_results = [finish_run(start_run(k, args.overrides, Path(root), f"round{round_number}_k{k}")) for k in order]
+                round_results = [finish_run(start_run(k, args.overrides, Path(root), f"round{round_number}_k{k.replace(' ', '_')}")) for k in order]
             for result in round_results:
                 result["round"] = round_number
                 results.append(result)
