@@ -10,7 +10,7 @@ Before the sweep, k = 0 with the random policy and its end-of-sequence token: th
 under every budget.
 
     uv run python -m benchmarks.rollout_throughput [--new-tokens 128 512 2048] [--batches 8 32 128]
-        [--repeats 3] [--figure benchmarks/rollout_throughput.png] [--beside-load] [key=value overrides]
+        [--repeats 3] [--figure PATH] [--beside-load] [key=value overrides]
 
 Prints markdown: tokens/s against k = 0 per cell; where a decode step's time goes (trunk forward,
 drafts, verification, bookkeeping; attention over the KV caches shown apart); k = 0's tokens/s
@@ -34,7 +34,9 @@ its lowest and highest (an interval of the median: 94% at 5 repeats). Beside the
 A/A control, a second k = 0 engine doing the same work as the first: how far its paired ratio
 strays from 1 is what measurement error alone does to a ratio in this run, the yardstick for
 auto's. Last, auto's choices alone: the k of its timed runs valued at the fixed engines' medians,
-what its decisions are worth apart from its own timing.
+what its decisions are worth apart from its own timing. ``--figure PATH`` draws the cells (the
+figure docs/results.md shows is ``benchmarks/rollout_throughput.png``); without it none is drawn,
+so a run with other settings cannot overwrite the tracked one.
 """
 
 from __future__ import annotations
@@ -48,20 +50,18 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-from nemo_rl_mtp.training.imitation import imitation_step  # noqa: E402
-from nemo_rl_mtp.tasks.demonstrations import demonstration_batch  # noqa: E402
-from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer  # noqa: E402
-from nemo_rl_mtp.rollout import incremental_drafts  # noqa: E402
-from nemo_rl_mtp.rollout.engine import RolloutEngine, kv_memory  # noqa: E402
-from nemo_rl_mtp.metrics import DECODE_STEPS  # noqa: E402
-from nemo_rl_mtp.rollout.speculation import speculation_metrics  # noqa: E402
-from nemo_rl_mtp.megatron_compat.cpu import paged_attention  # noqa: E402
-from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy  # noqa: E402
-from nemo_rl_mtp.cluster.worker import freeze_startup_heap, keep_freed_host_memory  # noqa: E402
-from nemo_rl_mtp.grpo.checked_config import load_checked_config  # noqa: E402
-from tests.support.helpers import free_port  # noqa: E402
+from nemo_rl_mtp.training.imitation import imitation_step
+from nemo_rl_mtp.tasks.demonstrations import demonstration_batch
+from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer
+from nemo_rl_mtp.rollout import incremental_drafts
+from nemo_rl_mtp.rollout.engine import RolloutEngine, kv_memory
+from nemo_rl_mtp.metrics import DECODE_STEPS
+from nemo_rl_mtp.rollout.speculation import speculation_metrics
+from nemo_rl_mtp.megatron_compat.cpu import paged_attention
+from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
+from nemo_rl_mtp.cluster.worker import freeze_startup_heap, keep_freed_host_memory
+from nemo_rl_mtp.grpo.checked_config import load_checked_config
+from tests.support.helpers import free_port
 
 TOKENIZER = DigitTokenizer()
 # A second k = 0 engine run beside the first: the same work measured twice, an A/A control whose
@@ -518,7 +518,7 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=60)
     parser.add_argument("--train-length", type=int, default=128, help="answer digits of the imitation task")
     parser.add_argument("--train-batch", type=int, default=64)
-    parser.add_argument("--figure", type=Path, default=REPO_ROOT / "benchmarks" / "rollout_throughput.png")
+    parser.add_argument("--figure", type=Path, default=None, help="draw the cells to this PNG (none drawn without it)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="what the tables time with")
     parser.add_argument("--beside-load", action="store_true", help="run a second CPU-bound process (a one-thread matmul loop) beside the benchmark")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -590,8 +590,9 @@ def run_benchmark(args) -> None:
     print(draft_cost_table(trained, args))
     print(f"\n## KV memory of the engine at k = {args.mtp_layers} (MTP caches inside the buffer)\n")
     print(memory_table(trained, args))
-    figure(cells, args, args.figure)
-    print(f"\nfigure: {args.figure}")
+    if args.figure is not None:
+        figure(cells, args, args.figure)
+        print(f"\nfigure: {args.figure}")
 
 
 if __name__ == "__main__":
