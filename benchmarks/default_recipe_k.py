@@ -99,7 +99,7 @@ def start_run(variant: str, overrides: list[str], run_root: Path, name: str) -> 
     peak = [0.0]
     sampler = threading.Thread(target=peak_tree_memory_mb, args=(process, peak), daemon=True)
     sampler.start()
-    return {"k": variant, "name": name, "run_root": run_root, "process": process, "log": log, "sampler": sampler, "peak": peak, "started": time.monotonic()}
+    return {"variant": variant, "name": name, "run_root": run_root, "process": process, "log": log, "sampler": sampler, "peak": peak, "started": time.monotonic()}
 
 
 def finish_run(run: dict) -> dict:
@@ -108,16 +108,16 @@ def finish_run(run: dict) -> dict:
     wall_s = time.monotonic() - run["started"]
     run["sampler"].join()
     run["log"].close()
-    k, name, run_root = run["k"], run["name"], run["run_root"]
+    variant, name, run_root = run["variant"], run["name"], run["run_root"]
     if status != 0:
-        raise SystemExit(f"the k={k} run exited with status {status}; its output: {run_root / f'{name}.log'}")
+        raise SystemExit(f"the k = {variant} run exited with status {status}; its output: {run_root / f'{name}.log'}")
     rows = [row for row in read_metrics(run_root / name / "metrics.jsonl") if TIMING + STEP_SECONDS in row]
     result = {phase: statistics.median(row[TIMING + key] for row in rows) for phase, key in PHASES.items()}
     result["per_step"] = {phase: [row[TIMING + key] for row in rows] for phase, key in PHASES.items()}
     result.update({name: statistics.median(row[key] for row in rows) for name, key in TRAJECTORY.items()})
     result["per_step"].update({name: [row[key] for row in rows] for name, key in TRAJECTORY.items()})
     result["per_step"][OVER_LOGPROBS] = [row[TIMING + GENERATION_SECONDS] / row[TIMING + LOGPROBS_SECONDS] for row in rows]
-    result.update(k=k, steps=len(rows), wall_s=wall_s, peak_mb=run["peak"][0])
+    result.update(variant=variant, steps=len(rows), wall_s=wall_s, peak_mb=run["peak"][0])
     result["choices"] = collections.Counter(int(row[CHOSEN_K]) for row in rows if CHOSEN_K in row)
     return result
 
@@ -129,9 +129,9 @@ def table(results: list[dict]) -> str:
         "|---|---|" + "---|" * (len(PHASES) + len(TRAJECTORY) + 3),
     ]
     for result in results:
-        choices = ", ".join(f"k = {k} in {n}" for k, n in sorted(result["choices"].items())) if result["k"] == "auto" else ""
+        choices = ", ".join(f"k = {k} in {n}" for k, n in sorted(result["choices"].items())) if result["variant"] == "auto" else ""
         medians = " | ".join(f"{result[phase]:.3f}" for phase in PHASES) + " | " + " | ".join(f"{result[name]:.1f}" for name in TRAJECTORY)
-        lines.append(f"| {result['round']} | {result['k']} | {medians} | {result['peak_mb']:,.0f} | {result['wall_s']:.0f} | {choices} |")
+        lines.append(f"| {result['round']} | {result['variant']} | {medians} | {result['peak_mb']:,.0f} | {result['wall_s']:.0f} | {choices} |")
     return "\n".join(lines)
 
 
@@ -141,7 +141,7 @@ def ratios(results: list[dict]) -> str:
     variant ran once in each position of the order when the rounds are a multiple of the
     variants, so a drift of the machine falls on every one alike). Times: lower is better;
     generation tokens/s: higher is. ``OVER_LOGPROBS`` takes the machine's speed out of each step."""
-    variants = list(dict.fromkeys(result["k"] for result in results))
+    variants = list(dict.fromkeys(result["variant"] for result in results))
     control = CONTROL in variants
     header = "| round | phase | auto / k = 0 | auto / k = 1 | auto / better |" + (" k = 0 again / k = 0 (A/A) |" if control else "")
     lines = [header, "|---|---|---|---|---|" + ("---|" if control else "")]
@@ -149,7 +149,7 @@ def ratios(results: list[dict]) -> str:
     for round_number in [*rounds, "all"]:
         chosen = [result for result in results if round_number in ("all", result["round"])]
         for phase, better in (("generation", min), ("whole step", min), (OVER_LOGPROBS, min), ("generation tokens/s", max)):
-            median = {k: statistics.median(value for result in chosen if result["k"] == k for value in result["per_step"][phase]) for k in variants}
+            median = {variant: statistics.median(value for result in chosen if result["variant"] == variant for value in result["per_step"][phase]) for variant in variants}
             auto, k0, k1 = median["auto"], median["0"], median["1"]
             aa = f" {median[CONTROL] / k0:.3f} |" if control else ""
             lines.append(f"| {round_number} | {phase} | {auto / k0:.3f} | {auto / k1:.3f} | {auto / better(k0, k1):.3f} |{aa}")
@@ -177,14 +177,14 @@ def main() -> None:
             shift = (round_number - 1) % len(variants)
             order = variants[shift:] + variants[:shift]
             if args.together:
-                started = [start_run(k, args.overrides, Path(root), f"round{round_number}_k{k.replace(' ', '_')}") for k in order]
+                started = [start_run(variant, args.overrides, Path(root), f"round{round_number}_k{variant.replace(' ', '_')}") for variant in order]
                 round_results = [finish_run(run) for run in started]
             else:
-                round_results = [finish_run(start_run(k, args.overrides, Path(root), f"round{round_number}_k{k.replace(' ', '_')}")) for k in order]
+                round_results = [finish_run(start_run(variant, args.overrides, Path(root), f"round{round_number}_k{variant.replace(' ', '_')}")) for variant in order]
             for result in round_results:
                 result["round"] = round_number
                 results.append(result)
-                print(f"round {round_number}, k = {result['k']}: generation {result['generation']:.3f} s, step {result['whole step']:.3f} s (medians of {result['steps']} steps), {result['wall_s']:.0f} s", flush=True)
+                print(f"round {round_number}, k = {result['variant']}: generation {result['generation']:.3f} s, step {result['whole step']:.3f} s (medians of {result['steps']} steps), {result['wall_s']:.0f} s", flush=True)
     load = "a one-thread matmul loop beside the runs" if args.beside_load else "nothing else started"
     load += "; each round's runs at the same time" if args.together else "; each round's runs one after the other"
     print(f"\n{os.cpu_count()} CPUs; {load}; load average now {os.getloadavg()[0]:.1f}\n")
