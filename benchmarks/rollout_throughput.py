@@ -10,14 +10,14 @@ Before the sweep, k = 0 with the random policy and its end-of-sequence token: th
 under every budget.
 
     uv run python -m benchmarks.rollout_throughput [--new-tokens 128 512 2048] [--batches 8 32 128]
-        [--repeats 3] [--figure PATH] [--beside-load] [key=value overrides]
+        [--repeats 3] [--turn-ms 20] [--figure PATH] [--beside-load] [key=value overrides]
 
 Prints markdown: tokens/s against k = 0 per cell; where a decode step's time goes (trunk forward,
 drafts, verification, bookkeeping; attention over the KV caches shown apart); k = 0's tokens/s
 with the same responses under growing budgets; the drafts' cost per step against the response
 length; the MTP caches' memory. Every variant runs ``--repeats`` times and reports its median.
-In a repeat the variants are stepped in turn (the one least far along next, so they finish
-together), each timed over its own steps (auto's choice of k and its engine's switches
+In a repeat the variants are stepped in turns of ``--turn-ms`` (the one least far along next, so
+they finish together), each timed over its own steps (auto's choice of k and its engine's switches
 included), so a drift of the machine's speed falls on all of them alike (until 2026-12-05 each
 ran its whole rollout in turn, and two identical engines' ratio moved by 5-14% from repeat to
 repeat, against 0.4% stepped in turn: ``same_k_engines``). Auto first runs mtp_layers + 1
@@ -71,6 +71,15 @@ CONTROL = "k=0 again"
 PROMPT_TOKENS = 3  # <bos> d =
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CLOCK_NAME = ["wall"]  # the clock the tables use: main() sets it from --clock
+# A variant's turn in ``run_in_turn`` lasts this long on the tables' clock (at least one step).
+# Each change of turn slows the next step (another engine's step has evicted its data from the
+# caches): turns of one step charge that once per step, which falls hardest on the variant with
+# the cheapest steps (k = 0's ran 6% slower than in 10 ms turns, and k = 2 / k = 0 read 1.107
+# against 1.080-1.087 in turns of 10, 30 or 100 ms: 2 layers, 32 x 128, trained heads, 12
+# repeats, 2026-12-07); turns of equal time charge every variant the same share of its time.
+# Longer turns let the machine's drift between turns into the ratios (the standard deviation of
+# k = 2 / k = 0 over repeats 0.015 at 10 ms, 0.028 at 30, 0.05 at 100, 0.11 for whole rollouts).
+TURN_SECONDS = [0.02]  # main() sets it from --turn-ms
 
 
 def clock() -> float:
@@ -330,7 +339,9 @@ def run_in_turn(variants: list[Variant], prompts, seed: int, phases_of: dict, ti
     data from the caches, and with ties broken by the order given, a k = 0 engine placed after the
     k = 2 engine always stepped after it (rotating the order keeps who follows whom): at 2 layers
     and 128 tokens auto running k = 0 there ran 0.969 of the fixed k = 0 engine paired, and 0.997
-    with the two places swapped, where the A/A control then fell from 0.991 to 0.975."""
+    with the two places swapped, where the A/A control then fell from 0.991 to 0.975. A turn
+    lasts ``TURN_SECONDS`` (until 2026-12-07 one step, which slowed k = 0 most: the constant's
+    comment)."""
     policy = variants[0].rollout_engine.policy
     with contextlib.nullcontext() if responses_end else end_of_sequence_masked(policy), variants[0].rollout_engine.sampling_session():
         for variant in variants:
@@ -338,8 +349,13 @@ def run_in_turn(variants: list[Variant], prompts, seed: int, phases_of: dict, ti
         stepping, tie_break = list(variants), random.Random(seed)
         while stepping:
             variant = min(stepping, key=lambda candidate: (candidate.progress, tie_break.random()))
-            if not variant.step(phases_of):
-                stepping.remove(variant)
+            turn_start = variant.elapsed[CLOCK_NAME[0]]
+            while True:
+                if not variant.step(phases_of):
+                    stepping.remove(variant)
+                    break
+                if variant.elapsed[CLOCK_NAME[0]] - turn_start >= TURN_SECONDS[0]:
+                    break
         for variant in variants:
             variant.finish()
 
@@ -527,10 +543,12 @@ def main() -> None:
     parser.add_argument("--train-batch", type=int, default=64)
     parser.add_argument("--figure", type=Path, default=None, help="draw the cells to this PNG (none drawn without it)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="what the tables time with")
+    parser.add_argument("--turn-ms", type=float, default=1000 * TURN_SECONDS[0], help="how long each variant steps before the next one's turn")
     parser.add_argument("--beside-load", action="store_true", help="run a second CPU-bound process (a one-thread matmul loop) beside the benchmark")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
     CLOCK_NAME[0] = args.clock
+    TURN_SECONDS[0] = args.turn_ms / 1000
     with beside_load() if args.beside_load else contextlib.nullcontext():
         run_benchmark(args)
 
@@ -569,7 +587,7 @@ def run_benchmark(args) -> None:
     policy = benchmark_policy(base)
     phases_of = {}
     attention_timers(phases_of)
-    print(f"{torch.get_num_threads()} torch thread(s); median of {args.repeats} runs per variant, the variants stepped in turn; {args.clock} clock", flush=True)
+    print(f"{torch.get_num_threads()} torch thread(s); median of {args.repeats} runs per variant, the variants stepped in turns of {args.turn_ms:g} ms; {args.clock} clock", flush=True)
 
     budgets = same_responses(policy, args, phases_of)
     cells = []
