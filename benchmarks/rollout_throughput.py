@@ -20,9 +20,10 @@ In a repeat the variants are stepped in turns of ``--turn-ms`` (the one least fa
 they finish together), each timed over its own steps (auto's choice of k and its engine's switches
 included), so a drift of the machine's speed falls on all of them alike (until 2026-12-05 each
 ran its whole rollout in turn, and two identical engines' ratio moved by 5-14% from repeat to
-repeat, against 0.4% stepped in turn: ``same_k_engines``). Auto first runs mtp_layers + 1
-rollouts untimed (its profile of step costs and its measurement of close candidates, done once
-per batch size in a training run), the fixed variants one. ``--clock cpu`` times with the
+repeat, against 0.4% stepped in turn: ``same_k_engines``). All variants first run mtp_layers + 1
+rollouts untimed, in turn as the timed ones (auto's profile of step costs and its first look at
+every k, done once per batch size in a training run: until 2026-12-07 auto ran them alone, in
+another setting than its timed rollouts, and the fixed variants ran one). ``--clock cpu`` times with the
 process's CPU time instead of the wall clock (the breakdown too; both clocks' ratios are
 printed): on a machine shared with other jobs their load lands on whichever variant runs while
 they do, and the CPU time leaves it out. ``--beside-load`` runs a second CPU-bound process beside
@@ -216,6 +217,7 @@ class Variant:
         self.times = {name: [] for name in CLOCKS}
         self.phases, self.output, self.instrumented = StepPhases(), None, None
         self.chosen = []  # auto: the k of each timed run
+        self.speeds = []  # auto: its reading of the machine's speed after each run, timed or not
         self.rollout, self.elapsed, self.timed, self.phases_before = None, None, True, None
 
     @property
@@ -244,6 +246,8 @@ class Variant:
 
     def finish(self) -> None:
         self.output = self._timed(self.rollout.finish)
+        if self.rollout_engine.adaptive is not None:
+            self.speeds.append(self.rollout_engine.adaptive.speed)
         if self.timed:
             for name, seconds in self.elapsed.items():
                 self.times[name].append(seconds)
@@ -297,9 +301,8 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
     variants.append(auto)
     variants.append(Variant(CONTROL, RolloutEngine(policy, config(args, 0, new_tokens, batch))))
     prompts, _ = counting_task(batch, 1, torch.Generator().manual_seed(batch))
-    for warm_up in range(args.mtp_layers + 1):
-        run_in_turn([auto], prompts, 1000 + warm_up, phases_of, timed=False)
-    run_in_turn([variant for variant in variants if variant is not auto], prompts, 999, phases_of, timed=False)  # their first
+    for warm_up in range(args.mtp_layers + 1):  # auto's first looks, in the setting of its timed rollouts
+        run_in_turn(variants, prompts, 1000 + warm_up, phases_of, timed=False)
     for repeat in range(args.repeats):
         shift = repeat % len(variants)  # each variant's place in the order rotates
         run_in_turn(variants[shift:] + variants[:shift], prompts, repeat, phases_of)
@@ -309,7 +312,8 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
     print(f"  {heads} heads, {new_tokens} new tokens, {batch} prompts: "
           + ", ".join(f"{v.name} {v.rate:.0f} tok/s" for v in variants)
           + f", auto ran k={'/'.join(map(str, auto.chosen))}"
-          + f"; auto over the fixed engine at the k it ran, per repeat: {' '.join(f'{r:.2f}' for r in same_k_ratios(auto, variants))}",
+          + f"; auto over the fixed engine at the k it ran, per repeat: {' '.join(f'{r:.2f}' for r in same_k_ratios(auto, variants))}"
+          + f"; auto's reading of the machine's speed after each rollout: {' '.join(f'{speed:.2f}' for speed in auto.speeds)}",
           flush=True)  # fmt: skip
     return result
 
