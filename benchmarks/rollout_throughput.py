@@ -560,11 +560,17 @@ def main() -> None:
 @contextlib.contextmanager
 def beside_load():
     """A second CPU-bound process for the whole benchmark: a 512 x 512 float32 matmul loop on one
-    thread, as another job sharing the machine would be; ended afterwards."""
+    thread, as another job sharing the machine would be; ended afterwards, and ending itself when
+    the benchmark's process is gone (killed, the benchmark's cleanup never ran: once it went on
+    for 50 minutes, beside runs meant to be quiet)."""
+    import os
     import subprocess
     import sys
 
-    loop = "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True:\n    a = torch.tanh(a @ a)"
+    loop = (
+        f"import os, torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile os.getppid() == {os.getpid()}:\n"
+        "    for _ in range(100):\n        a = torch.tanh(a @ a)"
+    )
     process = subprocess.Popen([sys.executable, "-c", loop])
     print(f"a second CPU-bound process runs beside the benchmark (pid {process.pid}: a one-thread 512x512 matmul loop)", flush=True)
     try:
