@@ -57,7 +57,7 @@ from nemo_rl_mtp.tasks.demonstrations import demonstration_batch
 from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer
 from nemo_rl_mtp.rollout import incremental_drafts
 from nemo_rl_mtp.rollout.engine import RolloutEngine, kv_memory
-from nemo_rl_mtp.metrics import DECODE_STEPS
+from nemo_rl_mtp.metrics import DECODE_STEPS, ENGINE_TOKENS_PER_S, EXPECTED_TOKENS_PER_S, SPECULATIVE_TOKENS
 from nemo_rl_mtp.rollout.speculation import speculation_metrics
 from nemo_rl_mtp.megatron_compat.cpu import paged_attention
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
@@ -217,7 +217,7 @@ class Variant:
         self.times = {name: [] for name in CLOCKS}
         self.phases, self.output, self.instrumented = StepPhases(), None, None
         self.chosen = []  # auto: the k of each timed run
-        self.speeds = []  # auto: its reading of the machine's speed after each run, timed or not
+        self.history = []  # auto: every run's k, expected and realised tokens/s, machine speed read
         self.rollout, self.elapsed, self.timed, self.phases_before = None, None, True, None
 
     @property
@@ -247,7 +247,8 @@ class Variant:
     def finish(self) -> None:
         self.output = self._timed(self.rollout.finish)
         if self.rollout_engine.adaptive is not None:
-            self.speeds.append(self.rollout_engine.adaptive.speed)
+            record = (SPECULATIVE_TOKENS, EXPECTED_TOKENS_PER_S, ENGINE_TOKENS_PER_S)
+            self.history.append((*(float(self.output[key]) for key in record), self.rollout_engine.adaptive.speed))
         if self.timed:
             for name, seconds in self.elapsed.items():
                 self.times[name].append(seconds)
@@ -313,7 +314,8 @@ def run_cell(policy, args, heads: str, new_tokens: int, batch: int, phases_of: d
           + ", ".join(f"{v.name} {v.rate:.0f} tok/s" for v in variants)
           + f", auto ran k={'/'.join(map(str, auto.chosen))}"
           + f"; auto over the fixed engine at the k it ran, per repeat: {' '.join(f'{r:.2f}' for r in same_k_ratios(auto, variants))}"
-          + f"; auto's reading of the machine's speed after each rollout: {' '.join(f'{speed:.2f}' for speed in auto.speeds)}",
+          + "; auto's rollouts, untimed first (k: expected -> realised tokens/s, machine speed read): "
+          + ", ".join(f"{k:.0f}: {expected:.0f} -> {realised:.0f}, {speed:.2f}" for k, expected, realised, speed in auto.history),
           flush=True)  # fmt: skip
     return result
 
