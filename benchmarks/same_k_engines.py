@@ -1,7 +1,7 @@
 """Engines at the same k, side by side: two fixed engines built one after the other, one rebuilt
 through a history of switches as auto's is, and auto itself once it has settled on that k, their
 rollouts run first one after the other (whole rollouts in rotating order, as the rollout benchmark
-ran them until 2026-12-05) and then in turn, one engine step each (as it runs them now). Asks
+ran them until 2026-12-05) and then in turn (as it runs them now, in turns of 20 ms). Asks
 whether auto's engine runs slower than a fixed engine at the k it chose, whether two identical
 fixed engines differ, and how much of what a comparison of whole rollouts shows is the machine's
 speed drifting between them.
