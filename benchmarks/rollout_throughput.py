@@ -593,6 +593,16 @@ def benchmark_policy(base):
     return policy
 
 
+def train_heads(policy, args, base) -> dict:
+    """``args.train_steps`` imitation steps of the counting task (``args.train_batch`` answers of
+    ``args.train_length`` digits), which train policy and heads alike; the last step's metrics."""
+    generator, metrics = torch.Generator().manual_seed(0), {}
+    for _ in range(args.train_steps):
+        demonstrations = demonstration_batch(*counting_task(args.train_batch, args.train_length, generator), TOKENIZER.pad_id)
+        metrics = imitation_step(policy, demonstrations, base)
+    return metrics
+
+
 def run_benchmark(args) -> None:
 
     base = config(args, 0, max(args.new_tokens + [args.train_length]), args.train_batch)
@@ -605,10 +615,7 @@ def run_benchmark(args) -> None:
     cells = []
     for heads in ("untrained", "trained"):
         if heads == "trained":
-            generator = torch.Generator().manual_seed(0)
-            for _ in range(args.train_steps):
-                demonstrations = demonstration_batch(*counting_task(args.train_batch, args.train_length, generator), TOKENIZER.pad_id)
-                metrics = imitation_step(policy, demonstrations, base)
+            metrics = train_heads(policy, args, base)
             shown = ", ".join(f"{metrics[f'mtp/mtp_{i}_acceptance_rate']:.0f}%" for i in range(1, args.mtp_layers + 1))
             print(f"after {args.train_steps} imitation steps: training-side MTP acceptance {shown}", flush=True)
         for new_tokens in args.new_tokens:

@@ -42,10 +42,7 @@ def main() -> None:
 
     base = throughput.config(args, 0, max(args.new_tokens, args.train_length), args.train_batch)
     policy = throughput.benchmark_policy(base)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(args.train_steps):
-        batch = throughput.demonstration_batch(*throughput.counting_task(args.train_batch, args.train_length, generator), throughput.TOKENIZER.pad_id)
-        throughput.imitation_step(policy, batch, base)
+    throughput.train_heads(policy, args, base)
 
     fixed = throughput.config(args, args.k, args.new_tokens, BATCH)
     engines = {"fixed": RolloutEngine(policy, fixed), "fixed, built next": RolloutEngine(policy, fixed)}

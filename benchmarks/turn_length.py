@@ -56,10 +56,7 @@ def main() -> None:
     phases_of = {}
     throughput.attention_timers(phases_of)
     if args.heads == "trained":
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(args.train_steps):
-            batch = throughput.demonstration_batch(*throughput.counting_task(args.train_batch, args.train_length, generator), throughput.TOKENIZER.pad_id)
-            throughput.imitation_step(policy, batch, base)
+        throughput.train_heads(policy, args, base)
 
     ways = [ALONE, *(f"turns of {turn_ms:g} ms" if turn_ms else "turns of one step" for turn_ms in args.turn_ms)]
     turn_seconds = dict(zip(ways[1:], (turn_ms / 1000 for turn_ms in args.turn_ms)))
