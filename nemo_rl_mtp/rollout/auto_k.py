@@ -44,9 +44,14 @@ of two) and per greedy/sampled (they accept differently):
   estimate stays stale for a whole run.
 - **Rechecks.** The prior's best, where the estimates put another k ahead of it (the prior by
   more than ``HYSTERESIS`` behind it), run fewer than ``WINDOW`` times in this context and
-  estimated ``RECHECK_BELOW`` or more below what the prior implies for it (its prior over the
-  best's, times the best's estimate), runs again at once, until it has run ``WINDOW`` times or
-  its estimate stops contradicting the prior that far (the profile's error on this CPU: 2-15%).
+  estimated ``RECHECK_BELOW`` or more below what the prior implies for it from every other
+  measured k (that k's estimate times the prior's ratio of the two), runs again at once, until
+  it has run ``WINDOW`` times or its estimate stops contradicting the prior that far (the
+  profile's error on this CPU: 2-15%). A look out of line with every other look is the look's
+  error; where one other look agrees with it, the profile erred about the k that disagree (on
+  2026-12-07 it misread k = 0's step in two of seven profiles of one cell, by 30-60%, putting
+  k = 2 at 1.3-1.5x k = 0 where rollouts ran it at 0.90-0.93x; against k = 0 alone, k = 2's
+  look was "20% below" and k = 2 ran two more rollouts, where k = 1's look agreed with it).
   The profile times every k in rounds, each k's passes beside the others' in one state of the
   machine; a look is one rollout at one time. In the default recipe's 70 ms rollouts the same
   work ran 75 or 135 ms in spells of about ten (2026-12-06), and in three default runs that day
@@ -54,22 +59,35 @@ of two) and per greedy/sampled (they accept differently):
   rollouts, until k = 0's second look or refresh. A recheck costs the prior's best's true gap to
   the best k (nothing where the prior was right), at most ``WINDOW`` - 1 rollouts per context.
 - **Second looks.** k = 0 and the prior's best, if auto has moved on from either and it has run
-  only its first look, run once more ``REFRESH_EVERY`` rollouts after it. The first looks come
+  only its first look, run once more ``REFRESH_EVERY`` rollouts after it; the k of the context's
+  first rollout (the least promising by the prior), in the same case and estimated within
+  ``REFRESH_WITHIN`` of the incumbent (a k refreshed every ``REFRESH_EVERY`` rollouts anyway),
+  right after the first looks (and rechecks). A context's first rollout runs in a state the
+  others do not: in the rollout benchmark's cells on 2026-12-07 it read 10-20% below the fixed
+  engine's median (auto's machine-speed reading, against which later rollouts are read, rose
+  3-10% after it), and there k = 0's one look, the first, put it behind k = 1 and 2 where it was
+  4-10% ahead. In a seeded simulation (``benchmarks.auto_k_noise_simulation``, the first
+  rollout 10% slow) this look costs nothing over a run and within 0.4% in rollouts 4-8; at
+  ``RECHECK_BELOW`` it cost up to 1.6% there where the first look's k was truly 5-15% behind. The first looks come
   at the start of a run, where on a CPU the process is still warming up (in 3 of 6 default runs
   on 2026-12-06 rollouts 2-6 ran at 0.45-0.7x their later speed): in 2 of those 6 runs k = 0's
   one look landed there and auto ran k = 1, 1.2x slower, for 45 and 70 rollouts until k = 0's
   refresh (its gap plus two rebuilds, at ``FAR_REFRESH_COST``). k = 0 is what auto must never
   lose to, and the prior's best what the profile expects to be fastest; the looks at other k are
   what the bound's refreshes keep fresh. A second look costs its gap and two switches, once.
-- **Confirmation.** A switch away from the incumbent is confirmed by the new k's first rollout
-  after it: if that rollout is slower than the k left behind is estimated, the new k's earlier
-  rollouts are set aside (its estimate is that rollout alone) and the estimates decide again.
-  The two sides of a switch were measured at different times: on this project's 2-core VM a slow
-  spell of a few rollouts, which the machine-speed probe hardly sees, can take all of the
-  incumbent's window while the other k's estimate rests on a look from before it (in a default
-  run, k = 0's three slowed rollouts put auto on k = 1, 1.2x slower, for 25 rollouts until k =
-  0's refresh). The new k's first rollout runs in the same state of the machine as the
-  incumbent's latest ones: slower than them, the switch rested on another state.
+- **Confirmation.** A switch away from the incumbent made as the incumbent's latest rollout
+  lowered its estimate (its window's fastest left the window) is confirmed by the new k's first
+  rollout after it: if that rollout is slower than the k left behind is estimated, the new k's
+  earlier rollouts are set aside (its estimate is that rollout alone) and the estimates decide
+  again. That is a slow spell's signature: on this project's 2-core VM a spell of a few
+  rollouts, which the machine-speed probe hardly sees, can take all of the incumbent's window
+  while the other k's estimate rests on a look from before it (in a default run, k = 0's three
+  slowed rollouts put auto on k = 1, 1.2x slower, for 25 rollouts until k = 0's refresh). The
+  new k's first rollout runs in the same state of the machine as the incumbent's latest ones:
+  slower than them, the switch rested on another state. A switch made on a new measurement of
+  the other k (a look, a refresh) is not second-guessed by one rollout: until 2026-12-07 every
+  switch was, and in a near tie (rollouts of one k 5-12% apart) one rollout reversed a right
+  switch to k = 0 and left auto on k = 1, 0.96x, for the rest of a 2048-token cell.
 
 **The bound.** After the first looks, a rollout runs either the best estimate (or an incumbent
 within ``HYSTERESIS`` of it) or a refresh of a k whose cost (gap and switches), over the
@@ -78,7 +96,8 @@ is less). So over a run, tokens/s is at least (1 - HYSTERESIS) (1 - max_k REFRES
 REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one rollout's
 tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99
 = 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each k one rollout
-per context (k = 0 and the prior's best at most two), once per run, and rechecks at most
+per context (k = 0, the prior's best and the context's first rollout's k at most two), once
+per run, and rechecks at most
 ``WINDOW`` - 1 more of the prior's best; a switch the estimates call for costs one rebuild. A confirmation runs
 nothing of its own; where it sets aside a faster k's rollouts wrongly (its first rollout after the
 switch unlucky), that k is estimated from the unlucky rollout until it runs again: an error of
@@ -186,6 +205,8 @@ class ContextState:
     unconfirmed: tuple[int, int] | None = None  # (the k left behind, the k switched to) until the latter's next rollout
     priors_best: int = 0  # the k the prior put first (the first looks' last)
     second_looks: set[int] = dataclasses.field(default_factory=set)  # the k whose first look has been repeated
+    opening: int | None = None  # the k of the context's first rollout (the first looks' first)
+    lowered: int | None = None  # the k whose estimate the latest rollout lowered (its window's fastest left it)
     runs: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # rollouts of each k here, set aside or not
 
     def since_measured(self, k: int) -> float:
@@ -319,6 +340,7 @@ class AdaptiveSpeculation:
         if state.first_looks is None:
             state.first_looks = self._first_looks(expected)
             state.incumbent = state.priors_best = state.first_looks[-1]
+            state.opening = state.first_looks[0]
         k = self._next_choice(state, expected, self.prior(bucket, greedy, num_requests))
         return Choice(k, expected[k] * self.speed)
 
@@ -338,7 +360,7 @@ class AdaptiveSpeculation:
         best = self._settle_incumbent(state, expected)
         if self._recheck_due(state, expected, prior, best):
             return state.priors_best
-        second_looks = self._second_looks_due(state)
+        second_looks = self._second_looks_due(state, expected)
         if second_looks:
             state.second_looks.add(second_looks[0])
             return second_looks[0]
@@ -358,7 +380,7 @@ class AdaptiveSpeculation:
         best = max(self.candidates, key=lambda k: (expected[k], -k))
         if expected[state.incumbent] * (1.0 + HYSTERESIS) >= expected[best]:
             best = state.incumbent
-        if best != state.incumbent:
+        if best != state.incumbent and state.lowered == state.incumbent:
             state.unconfirmed = (state.incumbent, best)
         state.incumbent = best
         return best
@@ -368,24 +390,29 @@ class AdaptiveSpeculation:
         """Whether the prior's best is due a recheck (module docstring, "Rechecks"): not the best
         estimate, put ahead of it by the prior (by more than ``HYSTERESIS``), run here fewer
         than ``WINDOW`` times, and estimated ``RECHECK_BELOW`` or more below what the prior implies
-        for it (its prior over ``best``'s, times ``best``'s estimate)."""
+        for it from ``best`` and every other measured k (that k's estimate times the prior's ratio
+        of the two): a look out of line with all the others is the look's error; where another k's look
+        agrees with it, the prior erred."""
         k = state.priors_best
-        implied = expected[best] * prior[k] / prior[best]
+        implied = min(expected[other] * prior[k] / prior[other] for other in {best, *state.observations} - {k})
         return (
             k != best and 0 < state.runs[k] < WINDOW and prior[k] > (1.0 + HYSTERESIS) * prior[best]
             and expected[k] < (1.0 - RECHECK_BELOW) * implied
         )  # fmt: skip
 
     @staticmethod
-    def _second_looks_due(state: ContextState) -> list[int]:
-        """k = 0 and the prior's best, where either is not the incumbent, has run only for its
-        first look and looked ``REFRESH_EVERY`` rollouts ago (module docstring, "Second looks"):
-        due its second look."""
-        return [
-            k for k in sorted({0, state.priors_best})
-            if k not in state.second_looks and k != state.incumbent and len(state.observations.get(k, ())) == 1
-            and state.since_measured(k) + 1 >= REFRESH_EVERY
-        ]  # fmt: skip
+    def _second_looks_due(state: ContextState, expected: dict[int, float]) -> list[int]:
+        """The k due a second look (module docstring, "Second looks"), each not the incumbent and
+        run only for its first look: the context's first rollout's k at once where it is
+        estimated within ``REFRESH_WITHIN`` of the incumbent; k = 0 and the prior's best
+        ``REFRESH_EVERY`` rollouts after their look."""
+        def once(k: int) -> bool:
+            return k not in state.second_looks and k != state.incumbent and len(state.observations.get(k, ())) == 1
+
+        opening = state.opening
+        if opening is not None and once(opening) and expected[opening] >= (1.0 - REFRESH_WITHIN) * expected[state.incumbent]:
+            return [opening]
+        return [k for k in sorted({0, state.priors_best}) if once(k) and state.since_measured(k) + 1 >= REFRESH_EVERY]
 
     def record_rollout(
         self, bucket: int, greedy: bool, choice: Choice, seconds: float, steps: int, tokens: int, counts: dict, probe_seconds: float | None = None
@@ -406,7 +433,10 @@ class AdaptiveSpeculation:
         state.rollouts += 1
         state.rollout_seconds = seconds
         observation = Observation(state.rollouts, tokens / max(seconds, 1e-9) / self.speed, tokens_per_request_step)
-        state.observations.setdefault(k, collections.deque(maxlen=WINDOW)).append(observation)
+        window = state.observations.setdefault(k, collections.deque(maxlen=WINDOW))
+        fastest_before = max((earlier.tokens_per_s for earlier in window), default=0.0)
+        window.append(observation)
+        state.lowered = k if max(later.tokens_per_s for later in window) < fastest_before else None
         state.runs[k] += 1
         state.requests_per_step = tokens / (max(steps, 1) * tokens_per_request_step)
         if state.unconfirmed is not None and state.unconfirmed[1] == k:

@@ -130,15 +130,21 @@ def test_a_profile_that_favours_drafts_gives_way_to_the_rollouts_that_measure_th
     """The profile expects k = 1 at 146/s against 100/s (3-step rollouts of short prompts), but
     rollouts realise 1,000 tokens/s at k = 0 and 830 at k = 1 (long responses: the default
     recipe's case before its profile ran such rollouts whole): the first looks run k = 0, k = 2
-    (the prior's 100/s and 135/s) and k = 1 (the prior's best) once each; k = 1, read at 0.57x
-    what the prior implies for it, is rechecked until it has run WINDOW = 3 times (what a profile
-    this wrong costs, once per context), then k = 0 runs from there on. k = 2, not the prior's
-    best, is not rechecked."""
+    (the prior's 100/s and 135/s) and k = 1 (the prior's best) once each. k = 1 reads 0.57x what
+    the prior implies for it from k = 0's look, but 1.10x what it implies from k = 2's (700 x
+    146 / 135.5 = 754): the looks at drafting k agree with each other, the prior erred about k = 0
+    (the 2-layer benchmark cells' case on 2026-12-07, where the profile misread k = 0's step), and
+    k = 0 runs from the fourth rollout on (but for k = 1's second look). Control: with one drafting k (max_k = 1) no other look
+    can side with k = 1's, and it is rechecked until it has run WINDOW = 3 times (what a profile
+    this wrong costs there, once per context), then k = 0 runs."""
     assert adaptive_speculation.WINDOW == 3
     tuner = _tuner({0: 0.010, 1: 0.013, 2: 0.0155}, _counts([100, 100], [90, 20]))
     realised = {0: 1000.0, 1: 830.0, 2: 700.0}
     chosen = [_rollout(tuner, realised) for _ in range(14)]
-    assert chosen[:5] == [0, 2, 1, 1, 1] and set(chosen[5:]) == {0}, chosen
+    assert chosen == [0, 2, 1, *[0] * 9, 1, 0], chosen  # 13: k = 1's second look, REFRESH_EVERY after its first
+    control = _tuner({0: 0.010, 1: 0.013}, _counts([100], [90]), max_k=1)
+    chosen = [_rollout(control, realised) for _ in range(14)]
+    assert chosen[:4] == [0, 1, 1, 1] and set(chosen[4:]) == {0}, chosen
 
 
 def test_a_k_the_profile_puts_far_below_the_best_is_looked_at_once_and_kept_where_rollouts_find_it_fastest():
@@ -237,7 +243,8 @@ def test_the_priors_best_after_an_unlucky_first_look_is_rechecked_at_once():
     0), but its one look, the first looks' last (rollout 2), came out at 600/s: 0.49x what the
     prior implies for it against k = 0's 800 (1,216/s), beyond RECHECK_BELOW = 20%. It runs again
     at once (rollout 3), finds 1,000/s and keeps k = 1 from there on (but for k = 0's second look,
-    REFRESH_EVERY rollouts after its first). Controls (the next test): without rechecks
+    REFRESH_EVERY rollouts after its first: k = 0's one look, the context's first rollout, read
+    20% below k = 1, beyond REFRESH_WITHIN, is not looked at again at once). Controls (the next test): without rechecks
     auto moves to k = 0 and looks at k = 1 again REFRESH_EVERY rollouts after its first look
     (rollout 12, the second look); without that second look either, k = 1 (25% below k = 0 as
     estimated) waits for its far refresh, (1 - 600/800) / FAR_REFRESH_COST = 50 rollouts on."""
@@ -261,7 +268,7 @@ def test_without_a_recheck_the_priors_best_is_looked_at_again():
     assert [number for number, k in enumerate(chosen, start=1) if k == 1] == [2, *range(12, 21)], chosen
     control = _tuner({0: 0.010, 1: 0.0125}, _counts([100], [90]), max_k=1)
     control._recheck_due = lambda state, expected, prior, best: False
-    control._second_looks_due = lambda state: [k for k in AdaptiveSpeculation._second_looks_due(state) if k == 0]
+    control._second_looks_due = lambda state, expected: [k for k in AdaptiveSpeculation._second_looks_due(state, expected) if k == 0]
     realised = _UnluckyLookAtOne({0: 800.0, 1: 1000.0})
     chosen = [_rollout(control, realised) for _ in range(20)]
     assert [number for number, k in enumerate(chosen, start=1) if k == 1] == [2], chosen
@@ -343,6 +350,66 @@ def test_a_switch_made_in_a_slow_spell_is_undone_by_the_new_ks_first_rollout():
     assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6]) == [*start, 0, 0, 0, 1, 0, 0, 0, 0, 0]
     assert _run_through_a_slow_spell([0.6, 0.6, 0.6, 0.6], confirmed=False) == [*start, 0, 0, 0, *[1] * 6]  # the control
     assert _run_through_a_slow_spell([0.6, 0.6, 0.6]) == [*start, 0, 0, 0, *[1] * 6]
+
+
+class _Readings(dict):
+    """Tokens/s per k, each k's rollouts reading its listed values in turn, the last repeated."""
+
+    def __getitem__(self, k: int) -> float:
+        readings = super().__getitem__(k)
+        return readings.pop(0) if len(readings) > 1 else readings[0]
+
+
+def test_a_switch_on_a_new_look_is_not_undone_by_one_rollout():
+    """The quiet 2-layer 2048-token cell traced on 2026-12-07 (tokens/s): the prior puts k = 1
+    first (1.13x k = 0), the looks read k = 2 at 900, k = 0 at 1,339 and k = 1 at 1,266, and auto
+    switches to k = 0, the best. k = 0's next rollout reads 1,178, below k = 1's one look (its
+    rollouts differ by 5-12% there). The switch was made on k = 0's look, not on the incumbent's
+    estimate falling (a slow spell's signature, the confirmation's case: the slow-spell test
+    above), and stands: k = 0 runs on. Control: with every switch confirmed, as until
+    2026-12-07, k = 0's look is set aside and auto goes back to k = 1, 0.95x k = 0 by these
+    readings, for the rest of the context's first ten rollouts."""
+    profile = {0: 0.010, 1: 0.0168, 2: 0.030}  # per request 100, 113 and 70 tokens/s
+    tuner = _tuner(profile, _counts([100, 100], [90, 20]))
+    readings = _Readings({0: [1339.0, 1178.0, 1339.0], 1: [1266.0], 2: [900.0]})
+    chosen = [_rollout(tuner, readings) for _ in range(10)]
+    assert chosen == [2, 0, 1, *[0] * 7], chosen
+    control = _tuner(profile, _counts([100, 100], [90, 20]))
+    settle = control._settle_incumbent
+
+    def settle_confirming_every_switch(state, expected):
+        state.lowered = state.incumbent
+        return settle(state, expected)
+
+    control._settle_incumbent = settle_confirming_every_switch
+    readings = _Readings({0: [1339.0, 1178.0, 1339.0], 1: [1266.0], 2: [900.0]})
+    chosen = [_rollout(control, readings) for _ in range(10)]
+    assert chosen == [2, 0, 1, 0, *[1] * 6], chosen
+
+
+def test_the_contexts_first_rollout_is_looked_at_again_at_once_where_it_read_close_to_the_best():
+    """The 2-layer 128-token cells traced on 2026-12-07: the profile misread k = 0's step (prior
+    k2 / k0 2.0 where rollouts run k = 2 at 0.93x k = 0), so k = 0's look comes first, in the
+    context's first rollout, which ran slow there (910 tokens/s against k = 0's 1,000); k = 1
+    reads 970, k = 2 930. k = 0 read within REFRESH_WITHIN of the best and runs again at once
+    (rollout 4), finds 1,000/s and runs from there on. Controls: without that, k = 1 runs until
+    k = 0's second look, REFRESH_EVERY rollouts after its first (rollout 11); and a first rollout
+    read beyond REFRESH_WITHIN (850/s: 12% below k = 1) waits for that second look too."""
+    profile = {0: 0.013, 1: 0.013, 2: 0.0135}  # per request 77, 146 and 156 tokens/s
+    tuner = _tuner(profile, _counts([100, 100], [90, 20]))
+    readings = _Readings({0: [910.0, 1000.0], 1: [970.0], 2: [930.0]})
+    chosen = [_rollout(tuner, readings) for _ in range(12)]
+    assert chosen[:11] == [0, 1, 2, *[0] * 8], chosen
+    control = _tuner(profile, _counts([100, 100], [90, 20]))
+    control.choose(32, False, 32)
+    control.context(32, False).opening = None
+    readings = _Readings({0: [910.0, 1000.0], 1: [970.0], 2: [930.0]})
+    chosen = [_rollout(control, readings) for _ in range(12)]
+    assert chosen[:11] == [0, 1, 2, *[1] * 7, 0], chosen
+    far = _tuner(profile, _counts([100, 100], [90, 20]))
+    readings = _Readings({0: [850.0, 1000.0], 1: [970.0], 2: [930.0]})
+    chosen = [_rollout(far, readings) for _ in range(12)]
+    assert chosen[:11] == [0, 1, 2, *[1] * 7, 0], chosen
 
 
 def _rollouts_at_speeds(tokens_per_s: dict[int, float], speeds: list[float], probed: bool) -> list[int]:
