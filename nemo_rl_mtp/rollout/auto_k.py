@@ -68,8 +68,8 @@ of two) and per greedy/sampled (they accept differently):
   3-10% after it), and there k = 0's one look, the first, put it behind k = 1 and 2 where it was
   4-10% ahead. In a seeded simulation (``benchmarks.auto_k_noise_simulation``, the first
   rollout 10% slow) this look costs nothing over a run and within 0.4% in rollouts 4-8; at
-  ``RECHECK_BELOW`` it cost up to 1.6% there where the first look's k was truly 5-15% behind. The first looks come
-  at the start of a run, where on a CPU the process is still warming up (in 3 of 6 default runs
+  ``RECHECK_BELOW`` it cost up to 1.6% there where the first look's k was truly 5-15% behind.
+  The first looks come at the start of a run, where on a CPU the process is still warming up (in 3 of 6 default runs
   on 2026-12-06 rollouts 2-6 ran at 0.45-0.7x their later speed): in 2 of those 6 runs k = 0's
   one look landed there and auto ran k = 1, 1.2x slower, for 45 and 70 rollouts until k = 0's
   refresh (its gap plus two rebuilds, at ``FAR_REFRESH_COST``). k = 0 is what auto must never
@@ -391,8 +391,8 @@ class AdaptiveSpeculation:
         estimate, put ahead of it by the prior (by more than ``HYSTERESIS``), run here fewer
         than ``WINDOW`` times, and estimated ``RECHECK_BELOW`` or more below what the prior implies
         for it from ``best`` and every other measured k (that k's estimate times the prior's ratio
-        of the two): a look out of line with all the others is the look's error; where another k's look
-        agrees with it, the prior erred."""
+        of the two): a look out of line with all the others is the look's error; where another
+        k's look agrees with it, the prior erred."""
         k = state.priors_best
         implied = min(expected[other] * prior[k] / prior[other] for other in {best, *state.observations} - {k})
         return (
