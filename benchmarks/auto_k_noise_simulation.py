@@ -22,6 +22,10 @@ machine whose rollouts track the probe at the power P.
 about 0.12 in the default recipe on a CPU) and tells the rule, as the engine does.
 ``--prior-noise S`` puts each k's profiled step cost off by a seeded log-normal factor of sigma
 S (this CPU's profiles of one cell read c_2 / c_0 from 2.6 to 3.0 on 2026-12-06).
+``--first-slow F`` makes a context's first rollout F slower (the rollout benchmark's cells on
+2026-12-07: 0.1-0.2); ``--drafts-profiled-at F`` reads a drafting k's step cost at F x its true
+cost (k = 0's step misread 1.3-1.6x in two of seven profiles of one cell that day: about 0.7);
+``--rules`` runs only the rules named (by their column names).
 ``--slow-start`` makes a run's first rollouts slower (rollouts 2-11 at 0.5-0.95 of full speed, as
 the start of some default GRPO runs on this CPU) and the profile favour drafting (k >= 1's step
 costs read 0.7x: the default recipe's profile put k = 1 first where k = 0 was 1.2x faster). Both
@@ -36,7 +40,9 @@ the best estimate), **without the second look at k = 0** (both in the rule since
 rule runs the prior's best last), **as before 2026-12-07** (every switch confirmed, not only one
 made as the incumbent's estimate fell; the prior's best rechecked against the best estimate's
 look alone, not every other k's; the context's first rollout's k looked at again no sooner than
-k = 0 and the prior's best are), and with a **look back** (after a switch the new k's first
+k = 0 and the prior's best are; the seeded table also runs each of the three alone: **every
+switch confirmed**, **rechecked against the best alone**, **the first rollout's k looked at
+late**), and with a **look back** (after a switch the new k's first
 rollout confirmed, the k left behind runs once three rollouts later), not adopted; the trace
 table also runs **like for like** (below).
 
