@@ -410,7 +410,7 @@ def main() -> None:
     parser.add_argument("--slow-start", action="store_true", help="runs' first rollouts slowed and the profile favouring drafts (module docstring)")
     parser.add_argument("--switch-cost", type=float, default=0.0, help="a change of k, as a fraction of the best k's rollout (default recipe on a CPU: 0.12)")
     parser.add_argument("--prior-noise", type=float, default=0.0, help="log-normal sigma of each k's profiled step cost (this CPU's profiles: about 0.07)")
-    parser.add_argument("--first-slow", type=float, default=0.0, help="a context's first rollout this fraction slower (the rollout benchmark's cells: 0.05-0.15)")
+    parser.add_argument("--first-slow", type=float, default=0.0, help="a context's first rollout this fraction slower (the rollout benchmark's cells on 2026-12-07: 0.1-0.2)")
     parser.add_argument("--rules", nargs="+", help="only these rules (their column names)")
     parser.add_argument("--drafts-profiled-at", type=float, default=1.0, help="a drafting k's profiled step cost over its true cost (2026-12-07: k = 0's misread 1.3-1.6x, i.e. about 0.7)")
     args = parser.parse_args()
