@@ -25,6 +25,8 @@ S (this CPU's profiles of one cell read c_2 / c_0 from 2.6 to 3.0 on 2026-12-06)
 ``--first-slow F`` makes a context's first rollout F slower (the rollout benchmark's cells on
 2026-12-07: 0.1-0.2); ``--drafts-profiled-at F`` reads a drafting k's step cost at F x its true
 cost (k = 0's step misread 1.3-1.6x in two of seven profiles of one cell that day: about 0.7);
+``--slow-rollouts N`` makes the first N rollouts that much slower instead (a loaded cell on
+2026-12-07 ran all three looks at 0.80-0.82 of its fixed engines' medians).
 ``--rules`` runs only the rules named (by their column names).
 ``--slow-start`` makes a run's first rollouts slower (rollouts 2-11 at 0.5-0.95 of full speed, as
 the start of some default GRPO runs on this CPU) and the profile favour drafting (k >= 1's step
@@ -42,7 +44,8 @@ made as the incumbent's estimate fell; the prior's best rechecked against the be
 look alone, not every other k's; the context's first rollout's k looked at again no sooner than
 k = 0 and the prior's best are; the seeded table also runs each of the three alone: **every
 switch confirmed**, **rechecked against the best alone**, **the first rollout's k looked at
-late**), and with a **look back** (after a switch the new k's first
+late**), with **the opening's second look unanswered** (the incumbent that look displaced, looked
+at once, not looked at again at once: the rule from a5a261e until 2026-12-07, afternoon), and with a **look back** (after a switch the new k's first
 rollout confirmed, the k left behind runs once three rollouts later), not adopted; the trace
 table also runs **like for like** (below).
 
@@ -82,6 +85,7 @@ CASES = {  # true tokens/s of k = 0, 1, 2 over the best
     "k = 0 best, k = 1 and 2 at 0.96 (the untrained 2-layer 128-token cell)": {0: 1.0, 1: 0.96, 2: 0.96},
     "k = 2 best by 5% over k = 1 (the untrained 2-layer 2048-token cell)": {0: 0.86, 1: 0.95, 2: 1.0},
     "k = 0 best, k = 1 at 0.97, k = 2 at 0.90 (the untrained 2-layer 2048-token cell, 2026-12-07)": {0: 1.0, 1: 0.97, 2: 0.90},
+    "k = 2 best by 8%, k = 1 at 0.93 (the trained 2-layer 128-token cell, loaded, 2026-12-07)": {0: 0.92, 1: 0.93, 2: 1.0},
     "k = 2 best by 28% over k = 1 (the trained 8-layer 128-token cell)": {0: 0.56, 1: 0.78, 2: 1.0},
     "one MTP layer, k = 0 best by 25% (the default recipe)": {0: 1.0, 1: 0.8},
     "one MTP layer, k = 0 best by 10%": {0: 1.0, 1: 0.91},
@@ -196,6 +200,16 @@ class OpeningLookedAtLate(AdaptiveSpeculation):
         return choice
 
 
+class OpeningLookUnanswered(AdaptiveSpeculation):
+    """The incumbent that the opening's second look displaced, looked at once, not looked at again
+    at once: its second look comes REFRESH_EVERY rollouts on where it is k = 0 or the prior's best
+    (the rule from a5a261e until 2026-12-07, afternoon)."""
+
+    def _next_choice(self, state, expected: dict[int, float], prior: dict[int, float]) -> int:
+        state.answering = None
+        return super()._next_choice(state, expected, prior)
+
+
 class BeforeDecember7(ConfirmingEverySwitch, RecheckedAgainstTheBestAlone, OpeningLookedAtLate):
     """The rule as until 2026-12-07 (d6b216a): the three above together."""
 
@@ -294,11 +308,11 @@ START_PROFILE_ERROR = 0.7
 
 def run(
     rule: type, true: dict[int, float], noise: float, seed: int, switch_cost: float, slow_start: bool, prior_noise: float = 0.0, rollouts: int = 150,
-    first_slow: float = 0.0, drafts_profiled_at: float = 1.0,
+    first_slow: float = 0.0, drafts_profiled_at: float = 1.0, slow_rollouts: int = 1,
 ) -> list[int]:
-    """The k of each rollout of one seeded run, its first rollout ``first_slow`` slower."""
+    """The k of each rollout of one seeded run, its first ``slow_rollouts`` rollouts ``first_slow`` slower."""
     rng = random.Random(seed)
-    machine = lambda number: (math.exp(-noise * rng.gauss(0.0, 1.0)) / (1.0 - first_slow * (number == 0)), None)  # noqa: E731
+    machine = lambda number: (math.exp(-noise * rng.gauss(0.0, 1.0)) / (1.0 - first_slow * (number < slow_rollouts)), None)  # noqa: E731
     return simulate(rule, true, machine, switch_cost, slow_start, prior_noise, seed, rollouts, drafts_profiled_at)
 
 
@@ -411,6 +425,7 @@ def main() -> None:
     parser.add_argument("--switch-cost", type=float, default=0.0, help="a change of k, as a fraction of the best k's rollout (default recipe on a CPU: 0.12)")
     parser.add_argument("--prior-noise", type=float, default=0.0, help="log-normal sigma of each k's profiled step cost (this CPU's profiles: about 0.07)")
     parser.add_argument("--first-slow", type=float, default=0.0, help="a context's first rollout this fraction slower (the rollout benchmark's cells on 2026-12-07: 0.1-0.2)")
+    parser.add_argument("--slow-rollouts", type=int, default=1, help="with --first-slow: this many of the context's first rollouts slower (2026-12-07, afternoon: all three looks of a loaded cell)")
     parser.add_argument("--rules", nargs="+", help="only these rules (their column names)")
     parser.add_argument("--drafts-profiled-at", type=float, default=1.0, help="a drafting k's profiled step cost over its true cost (2026-12-07: k = 0's misread 1.3-1.6x, i.e. about 0.7)")
     args = parser.parse_args()
@@ -419,6 +434,7 @@ def main() -> None:
         return
     rules = {"auto": AdaptiveSpeculation, "as before 2026-12-07": BeforeDecember7, "every switch confirmed": ConfirmingEverySwitch,
              "rechecked against the best alone": RecheckedAgainstTheBestAlone, "the first rollout's k looked at late": OpeningLookedAtLate,
+             "the opening's second look unanswered": OpeningLookUnanswered,
              "without confirmation": WithoutConfirmation, "without rechecks": WithoutRechecks,
              "plausible k looked at only": PlausibleLooksOnly,
              "without the second look at k = 0": WithoutSecondLookAtZero,
@@ -426,7 +442,7 @@ def main() -> None:
              "the prior's best first": PriorsBestFirst, "look back": LookBack, "like for like": LikeForLike, "second look": SecondLook}  # fmt: skip
     rules = {name: rule for name, rule in rules.items() if not args.rules or name in args.rules}
     slow = "; runs start slow, the profile favouring drafts" if args.slow_start else ""
-    first = f"; a context's first rollout {args.first_slow:.0%} slower" if args.first_slow else ""
+    first = f"; a context's first {args.slow_rollouts} rollout(s) {args.first_slow:.0%} slower" if args.first_slow else ""
     first += f"; drafting steps profiled at {args.drafts_profiled_at}x their cost" if args.drafts_profiled_at != 1.0 else ""
     print(f"A change of k costs {args.switch_cost} of a rollout{slow}{first}; the profile off by {args.prior_noise} (log-normal).\n")
     print("| case | noise | " + " | ".join(f"{name}: rollouts 4-8 mean (p10), run" for name in rules) + " |")
@@ -435,7 +451,7 @@ def main() -> None:
         for noise in args.noise:
             cells = []
             for rule in rules.values():
-                runs = [run(rule, true, noise, seed, args.switch_cost, args.slow_start, args.prior_noise, first_slow=args.first_slow, drafts_profiled_at=args.drafts_profiled_at)
+                runs = [run(rule, true, noise, seed, args.switch_cost, args.slow_start, args.prior_noise, first_slow=args.first_slow, drafts_profiled_at=args.drafts_profiled_at, slow_rollouts=args.slow_rollouts)
                         for seed in range(args.seeds)]
                 cells.append(summary(true, runs, args.switch_cost))
             print(f"| {case} | {noise:.2f} | " + " | ".join(cells) + " |", flush=True)

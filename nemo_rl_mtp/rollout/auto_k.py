@@ -69,6 +69,13 @@ of two) and per greedy/sampled (they accept differently):
   4-10% ahead. In a seeded simulation (``benchmarks.auto_k_noise_simulation``, the first
   rollout 10% slow) this look costs nothing over a run and within 0.4% in rollouts 4-8; at
   ``RECHECK_BELOW`` it cost up to 1.6% there where the first look's k was truly 5-15% behind.
+  Where that second look displaces the incumbent and the incumbent was looked at once, the
+  incumbent is looked at again at once, like with like: in a loaded cell on 2026-12-07 all three
+  looks ran at 0.80-0.82 of the fixed engines' medians, k = 0's second look ran in a faster state
+  (1.10) and displaced k = 2, 8% faster, for the rest of the cell. In the simulation with the
+  first three rollouts 20% slow this gains 0.5-1.6% in rollouts 4-8 where a drafting k is best
+  (and lifts their 10th percentile from 0.86 to 0.95); with the first rollout alone slow it moves
+  nothing by more than 0.1%.
   The first looks come at the start of a run, where on a CPU the process is still warming up (in 3 of 6 default runs
   on 2026-12-06 rollouts 2-6 ran at 0.45-0.7x their later speed): in 2 of those 6 runs k = 0's
   one look landed there and auto ran k = 1, 1.2x slower, for 45 and 70 rollouts until k = 0's
@@ -96,8 +103,8 @@ is less). So over a run, tokens/s is at least (1 - HYSTERESIS) (1 - max_k REFRES
 REFRESH_EVERY) of the best k's, less the error of the estimates themselves (one rollout's
 tokens/s against its repeat; the fastest of ``WINDOW`` leaves out the slowed ones): 0.99 x 0.99
 = 0.98 at max_k = 1, 0.99 x 0.98 = 0.97 at max_k = 2. The first looks cost each k one rollout
-per context (k = 0, the prior's best and the context's first rollout's k at most two), once
-per run, and rechecks at most
+per context (k = 0, the prior's best, the context's first rollout's k and an incumbent that
+k's second look displaced at most two), once per run, and rechecks at most
 ``WINDOW`` - 1 more of the prior's best; a switch the estimates call for costs one rebuild. A confirmation runs
 nothing of its own; where it sets aside a faster k's rollouts wrongly (its first rollout after the
 switch unlucky), that k is estimated from the unlucky rollout until it runs again: an error of
@@ -207,6 +214,7 @@ class ContextState:
     second_looks: set[int] = dataclasses.field(default_factory=set)  # the k whose first look has been repeated
     opening: int | None = None  # the k of the context's first rollout (the first looks' first)
     lowered: int | None = None  # the k whose estimate the latest rollout lowered (its window's fastest left it)
+    answering: int | None = None  # the incumbent as the opening's second look ran: looked at again if that look displaced it
     runs: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # rollouts of each k here, set aside or not
 
     def since_measured(self, k: int) -> float:
@@ -361,9 +369,13 @@ class AdaptiveSpeculation:
         if self._recheck_due(state, expected, prior, best):
             return state.priors_best
         second_looks = self._second_looks_due(state, expected)
+        state.answering = None  # due at the choice right after the opening's second look, or not at all
         if second_looks:
-            state.second_looks.add(second_looks[0])
-            return second_looks[0]
+            k = second_looks[0]
+            state.second_looks.add(k)
+            if k == state.opening:
+                state.answering = state.incumbent
+            return k
         switch_cost = self.switch_cost(state)
         due = [k for k in self.candidates if k != best and self._refresh_due(state, k, expected[k] / expected[best], switch_cost)]
         return max(due, key=state.since_measured) if due else best
@@ -403,12 +415,15 @@ class AdaptiveSpeculation:
     @staticmethod
     def _second_looks_due(state: ContextState, expected: dict[int, float]) -> list[int]:
         """The k due a second look (module docstring, "Second looks"), each not the incumbent and
-        run only for its first look: the context's first rollout's k at once where it is
+        run only for its first look: the incumbent that the opening's second look (the latest
+        rollout) displaced, at once; the context's first rollout's k at once where it is
         estimated within ``REFRESH_WITHIN`` of the incumbent; k = 0 and the prior's best
         ``REFRESH_EVERY`` rollouts after their look."""
         def once(k: int) -> bool:
             return k not in state.second_looks and k != state.incumbent and len(state.observations.get(k, ())) == 1
 
+        if state.answering is not None and once(state.answering):
+            return [state.answering]
         opening = state.opening
         if opening is not None and once(opening) and expected[opening] >= (1.0 - REFRESH_WITHIN) * expected[state.incumbent]:
             return [opening]

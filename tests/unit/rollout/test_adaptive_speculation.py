@@ -392,14 +392,16 @@ def test_the_contexts_first_rollout_is_looked_at_again_at_once_where_it_read_clo
     k2 / k0 2.0 where rollouts run k = 2 at 0.93x k = 0), so k = 0's look comes first, in the
     context's first rollout, which ran slow there (910 tokens/s against k = 0's 1,000); k = 1
     reads 970, k = 2 930. k = 0 read within REFRESH_WITHIN of the best and runs again at once
-    (rollout 4), finds 1,000/s and runs from there on. Controls: without that, k = 1 runs until
-    k = 0's second look, REFRESH_EVERY rollouts after its first (rollout 11); and a first rollout
-    read beyond REFRESH_WITHIN (850/s: 12% below k = 1) waits for that second look too."""
+    (rollout 4), finds 1,000/s; k = 1, the incumbent it displaced, looked at once, is looked at
+    again at once (rollout 5: like with like), reads 970 again, and k = 0 runs from there on.
+    Controls: without the first rollout's second look, k = 1 runs until k = 0's second look,
+    REFRESH_EVERY rollouts after its first (rollout 11); and a first rollout read beyond
+    REFRESH_WITHIN (850/s: 12% below k = 1) waits for that second look too."""
     profile = {0: 0.013, 1: 0.013, 2: 0.0135}  # per request 77, 146 and 156 tokens/s
     tuner = _tuner(profile, _counts([100, 100], [90, 20]))
     readings = _Readings({0: [910.0, 1000.0], 1: [970.0], 2: [930.0]})
     chosen = [_rollout(tuner, readings) for _ in range(12)]
-    assert chosen[:11] == [0, 1, 2, *[0] * 8], chosen
+    assert chosen[:11] == [0, 1, 2, 0, 1, *[0] * 6], chosen
     control = _tuner(profile, _counts([100, 100], [90, 20]))
     control.choose(32, False, 32)
     control.context(32, False).opening = None
@@ -410,6 +412,44 @@ def test_the_contexts_first_rollout_is_looked_at_again_at_once_where_it_read_clo
     readings = _Readings({0: [850.0, 1000.0], 1: [970.0], 2: [930.0]})
     chosen = [_rollout(far, readings) for _ in range(12)]
     assert chosen[:11] == [0, 1, 2, *[1] * 7, 0], chosen
+
+
+def _answering_switched_off(tuner):
+    """``tuner`` as the rule was from a5a261e until 2026-12-07, afternoon: the incumbent the
+    opening's second look displaced is not looked at again at once."""
+    next_choice = tuner._next_choice
+
+    def unanswered(state, expected, prior):
+        state.answering = None
+        return next_choice(state, expected, prior)
+
+    tuner._next_choice = unanswered
+    return tuner
+
+
+def test_an_incumbent_displaced_by_the_openings_second_look_is_looked_at_again_at_once():
+    """The trained 2-layer 128-token cell beside a load, traced on 2026-12-07 (tokens/s; fixed
+    engines' medians k = 0 3,477, k = 2 3,774): all three looks ran slow (k = 0 2,835, k = 1 2,913,
+    k = 2 3,028, at 0.80-0.82 of those medians), k = 2 became the incumbent, and k = 0, the
+    context's first rollout's k within REFRESH_WITHIN of it, ran its second look in a faster state
+    (3,842) and displaced k = 2, whose one look is from the slow state: auto ran k = 0 in all five
+    timed rollouts, 0.92 of k = 2. Now k = 2, displaced by that second look while looked at once,
+    runs its own second look at once (rollout 5), reads 3,950 and is back. Controls: without that,
+    k = 0 runs until k = 2's second look REFRESH_EVERY rollouts after its first; and where k = 2's
+    second look confirms it behind (3,300), the look costs one rollout and k = 0 runs on."""
+    profile = {0: 0.010, 1: 0.0168, 2: 0.0163}  # prior vs k = 0: 1.00, 1.13, 1.29
+    readings = {0: [2835.0, 3842.0, 3500.0], 1: [2913.0], 2: [3028.0, 3950.0]}
+
+    def ten_rollouts(tuner, readings: dict) -> list[int]:
+        readings = _Readings({k: list(values) for k, values in readings.items()})
+        return [_rollout(tuner, readings) for _ in range(10)]
+
+    chosen = ten_rollouts(_tuner(profile, _counts([100, 100], [90, 20])), readings)
+    assert chosen == [0, 1, 2, 0, 2, *[2] * 5], chosen
+    chosen = ten_rollouts(_answering_switched_off(_tuner(profile, _counts([100, 100], [90, 20]))), readings)
+    assert chosen == [0, 1, 2, *[0] * 7], chosen
+    chosen = ten_rollouts(_tuner(profile, _counts([100, 100], [90, 20])), readings | {2: [3028.0, 3300.0]})
+    assert chosen == [0, 1, 2, 0, 2, *[0] * 5], chosen
 
 
 def _rollouts_at_speeds(tokens_per_s: dict[int, float], speeds: list[float], probed: bool) -> list[int]:
