@@ -45,7 +45,9 @@ look alone, not every other k's; the context's first rollout's k looked at again
 k = 0 and the prior's best are; the seeded table also runs each of the three alone: **every
 switch confirmed**, **rechecked against the best alone**, **the first rollout's k looked at
 late**), with **the opening's second look unanswered** (the incumbent that look displaced, looked
-at once, not looked at again at once: the rule from a5a261e until 2026-12-07, afternoon), and with a **look back** (after a switch the new k's first
+at once, not looked at again at once: the rule from a5a261e until 2026-12-07, afternoon), with
+**the opening looked at when close** (the first rollout's k looked at again whenever it comes
+within 10% of the incumbent, not only right after the first looks: the same rule's), and with a **look back** (after a switch the new k's first
 rollout confirmed, the k left behind runs once three rollouts later), not adopted; the trace
 table also runs **like for like** (below).
 
@@ -208,6 +210,20 @@ class OpeningLookUnanswered(AdaptiveSpeculation):
     def _next_choice(self, state, expected: dict[int, float], prior: dict[int, float]) -> int:
         state.answering = None
         return super()._next_choice(state, expected, prior)
+
+
+class OpeningLookedAtWhenClose(AdaptiveSpeculation):
+    """The context's first rollout's k looked at again whenever its estimate comes within
+    REFRESH_WITHIN of the incumbent's, not only right after the first looks (the rule from a5a261e
+    until 2026-12-07, afternoon: a refresh ahead of its time where the incumbent's estimate fell
+    later)."""
+
+    def _next_choice(self, state, expected: dict[int, float], prior: dict[int, float]) -> int:
+        opening = state.opening
+        k = super()._next_choice(state, expected, prior)
+        if opening is not None and opening not in state.second_looks:
+            state.opening = opening
+        return k
 
 
 class BeforeDecember7(ConfirmingEverySwitch, RecheckedAgainstTheBestAlone, OpeningLookedAtLate):
@@ -434,7 +450,7 @@ def main() -> None:
         return
     rules = {"auto": AdaptiveSpeculation, "as before 2026-12-07": BeforeDecember7, "every switch confirmed": ConfirmingEverySwitch,
              "rechecked against the best alone": RecheckedAgainstTheBestAlone, "the first rollout's k looked at late": OpeningLookedAtLate,
-             "the opening's second look unanswered": OpeningLookUnanswered,
+             "the opening's second look unanswered": OpeningLookUnanswered, "the opening looked at when close": OpeningLookedAtWhenClose,
              "without confirmation": WithoutConfirmation, "without rechecks": WithoutRechecks,
              "plausible k looked at only": PlausibleLooksOnly,
              "without the second look at k = 0": WithoutSecondLookAtZero,

@@ -212,7 +212,7 @@ class ContextState:
     unconfirmed: tuple[int, int] | None = None  # (the k left behind, the k switched to) until the latter's next rollout
     priors_best: int = 0  # the k the prior put first (the first looks' last)
     second_looks: set[int] = dataclasses.field(default_factory=set)  # the k whose first look has been repeated
-    opening: int | None = None  # the k of the context's first rollout (the first looks' first)
+    opening: int | None = None  # the k of the context's first rollout (the first looks' first) until judged for a second look
     lowered: int | None = None  # the k whose estimate the latest rollout lowered (its window's fastest left it)
     answering: int | None = None  # the incumbent as the opening's second look ran: looked at again if that look displaced it
     runs: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # rollouts of each k here, set aside or not
@@ -369,11 +369,12 @@ class AdaptiveSpeculation:
         if self._recheck_due(state, expected, prior, best):
             return state.priors_best
         second_looks = self._second_looks_due(state, expected)
-        state.answering = None  # due at the choice right after the opening's second look, or not at all
+        # Both judged once: the opening right after the first looks and rechecks, the answer right after the opening's second look.
+        opening, state.opening, state.answering = state.opening, None, None
         if second_looks:
             k = second_looks[0]
             state.second_looks.add(k)
-            if k == state.opening:
+            if k == opening:
                 state.answering = state.incumbent
             return k
         switch_cost = self.switch_cost(state)
@@ -416,9 +417,9 @@ class AdaptiveSpeculation:
     def _second_looks_due(state: ContextState, expected: dict[int, float]) -> list[int]:
         """The k due a second look (module docstring, "Second looks"), each not the incumbent and
         run only for its first look: the incumbent that the opening's second look (the latest
-        rollout) displaced, at once; the context's first rollout's k at once where it is
-        estimated within ``REFRESH_WITHIN`` of the incumbent; k = 0 and the prior's best
-        ``REFRESH_EVERY`` rollouts after their look."""
+        rollout) displaced, at once; the context's first rollout's k right after the first looks
+        and rechecks where it is estimated within ``REFRESH_WITHIN`` of the incumbent then; k = 0
+        and the prior's best ``REFRESH_EVERY`` rollouts after their look."""
         def once(k: int) -> bool:
             return k not in state.second_looks and k != state.incumbent and len(state.observations.get(k, ())) == 1
 

@@ -414,6 +414,38 @@ def test_the_contexts_first_rollout_is_looked_at_again_at_once_where_it_read_clo
     assert chosen[:11] == [0, 1, 2, *[1] * 7, 0], chosen
 
 
+def test_the_contexts_first_rollout_is_judged_for_a_second_look_once_right_after_the_looks():
+    """The quiet trained 2-layer 128-token cell on 2026-12-07, afternoon: k = 0's look (the
+    context's first rollout) read 14% below k = 2's and was not looked at again; four rollouts
+    later k = 2's estimate fell within 10% of it, and k = 0's second look ran then, in the last
+    timed rollout, a refresh ahead of its time (k = 0 0.89x k = 2 there). Here k = 0 reads 850,
+    k = 1 970 and k = 2 880, k = 1 runs and its later rollouts read 900, 880 and 890: k = 0 comes
+    within 10% of it once 970 leaves k = 1's window (rollout 7), and runs only at its second look,
+    REFRESH_EVERY rollouts after its first (rollout 11). Control: judged whenever it comes close,
+    as from a5a261e until that afternoon, k = 0 runs at rollout 7."""
+    profile = {0: 0.013, 1: 0.013, 2: 0.0135}  # the prior's order: k = 0, k = 1, k = 2 last
+
+    def eleven_rollouts(tuner) -> list[int]:
+        readings = _Readings({0: [850.0], 1: [970.0, 900.0, 880.0, 890.0], 2: [880.0]})
+        return [_rollout(tuner, readings) for _ in range(11)]
+
+    chosen = eleven_rollouts(_tuner(profile, _counts([100, 100], [90, 20])))
+    assert chosen == [0, 1, 2, *[1] * 7, 0], chosen
+    control = _tuner(profile, _counts([100, 100], [90, 20]))
+    next_choice = control._next_choice
+
+    def judged_whenever_close(state, expected, prior):
+        opening = state.opening
+        k = next_choice(state, expected, prior)
+        if opening is not None and opening not in state.second_looks:
+            state.opening = opening
+        return k
+
+    control._next_choice = judged_whenever_close
+    chosen = eleven_rollouts(control)
+    assert chosen[:7] == [0, 1, 2, 1, 1, 1, 0], chosen
+
+
 def _answering_switched_off(tuner):
     """``tuner`` as the rule was from a5a261e until 2026-12-07, afternoon: the incumbent the
     opening's second look displaced is not looked at again at once."""
