@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from nemo_rl_mtp.metrics import (
     ACCURACY,
     LOSS,
+    NUM_SPECULATIVE_TOKENS,
     REWARD,
     ROLLOUT,
     ROLLOUT_DRAFT_ACCEPTANCE_RATE,
@@ -33,12 +34,15 @@ logger = logging.getLogger(__name__)
 
 # Shown in the progress bar, the latest value of each: (metric key, short label). MTP acceptance
 # in training (mtp_acc) next to the rollout's acceptance of the first draft token (draft_acc).
+# draft_acc and tok/step are the latest rollout that drafted; with ``auto``, k is the latest
+# rollout's drafts per step (at k = 0 the two drafting fields are that earlier rollout's).
 PROGRESS_FIELDS = (
     (in_scope(TRAIN, REWARD), "reward"),
     (in_scope(VALIDATION, ACCURACY), "val_acc"),
     (in_scope(TRAIN, LOSS), "loss"),
     (TRAIN_MTP_LOSS.key(1), "mtp_loss"),
     (TRAIN_MTP_ACCEPTANCE_RATE.key(1), "mtp_acc"),
+    (in_scope(ROLLOUT, NUM_SPECULATIVE_TOKENS), "k"),
     (ROLLOUT_DRAFT_ACCEPTANCE_RATE.key(1), "draft_acc"),
     (in_scope(ROLLOUT, TOKENS_PER_DECODE_STEP), "tok/step"),
     (in_scope(TIMING, STEP_SECONDS), "step_s"),
