@@ -72,10 +72,11 @@ of two) and per greedy/sampled (they accept differently):
   Where that second look displaces the incumbent and the incumbent was looked at once, the
   incumbent is looked at again at once, like with like: in a loaded cell on 2026-12-07 all three
   looks ran at 0.80-0.82 of the fixed engines' medians, k = 0's second look ran in a faster state
-  (1.10) and displaced k = 2, 8% faster, for the rest of the cell. In the simulation with the
-  first three rollouts 20% slow this gains 0.5-1.6% in rollouts 4-8 where a drafting k is best
-  (and lifts their 10th percentile from 0.86 to 0.95); with the first rollout alone slow it moves
-  nothing by more than 0.1%.
+  (1.10x its engine's median) and displaced k = 2, 8% faster, for the rest of the cell. In the
+  simulation with the first three rollouts 20% slow this gains 0.5-1.6% in rollouts 4-8 (and
+  lifts their 10th percentile from 0.86 to 0.95 where k = 2 leads k = 1 by 5%); with the first
+  rollout alone slow it moves nothing by more than 0.1%, with the profile misreading k = 0 it
+  costs up to 0.4% (the answer is a rollout of the displaced k).
   The first looks come at the start of a run, where on a CPU the process is still warming up (in 3 of 6 default runs
   on 2026-12-06 rollouts 2-6 ran at 0.45-0.7x their later speed): in 2 of those 6 runs k = 0's
   one look landed there and auto ran k = 1, 1.2x slower, for 45 and 70 rollouts until k = 0's
