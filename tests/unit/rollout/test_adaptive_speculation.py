@@ -14,6 +14,7 @@ import weakref
 import pytest
 import torch
 
+from benchmarks.auto_k_noise_simulation import OpeningLookedAtWhenClose, OpeningLookUnanswered
 from nemo_rl_mtp.rollout import auto_k as adaptive_speculation
 from nemo_rl_mtp.rollout import machine_speed
 from nemo_rl_mtp.rollout.auto_k import AdaptiveSpeculation, batch_bucket, forecast_from_metrics
@@ -31,8 +32,9 @@ def _counts(proposed: list[int], accepted: list[int]) -> dict:
     return {"draft_proposed": torch.tensor(proposed), "draft_accepted": torch.tensor(accepted)}
 
 
-def _tuner(profile: dict[int, float], counts: dict = COUNTS_NONE, max_k: int = 2) -> AdaptiveSpeculation:
-    tuner = AdaptiveSpeculation(max_k)
+def _tuner(profile: dict[int, float], counts: dict = COUNTS_NONE, max_k: int = 2, rule: type = AdaptiveSpeculation) -> AdaptiveSpeculation:
+    """``rule``: the rule, or one of ``benchmarks.auto_k_noise_simulation``'s earlier versions of it (a control)."""
+    tuner = rule(max_k)
     tuner.record_profile(32, profile, greedy=False, counts=counts)
     return tuner
 
@@ -422,7 +424,8 @@ def test_the_contexts_first_rollout_is_judged_for_a_second_look_once_right_after
     k = 1 970 and k = 2 880, k = 1 runs and its later rollouts read 900, 880 and 890: k = 0 comes
     within 10% of it once 970 leaves k = 1's window (rollout 7), and runs only at its second look,
     REFRESH_EVERY rollouts after its first (rollout 11). Control: judged whenever it comes close,
-    as from a5a261e until that afternoon, k = 0 runs at rollout 7."""
+    as from a5a261e until that afternoon (the simulation's ``OpeningLookedAtWhenClose``), k = 0
+    runs at rollout 7."""
     profile = {0: 0.013, 1: 0.013, 2: 0.0135}  # the prior's order: k = 0, k = 1, k = 2 last
 
     def eleven_rollouts(tuner) -> list[int]:
@@ -431,32 +434,8 @@ def test_the_contexts_first_rollout_is_judged_for_a_second_look_once_right_after
 
     chosen = eleven_rollouts(_tuner(profile, _counts([100, 100], [90, 20])))
     assert chosen == [0, 1, 2, *[1] * 7, 0], chosen
-    control = _tuner(profile, _counts([100, 100], [90, 20]))
-    next_choice = control._next_choice
-
-    def judged_whenever_close(state, expected, prior):
-        opening = state.opening
-        k = next_choice(state, expected, prior)
-        if opening is not None and opening not in state.second_looks:
-            state.opening = opening
-        return k
-
-    control._next_choice = judged_whenever_close
-    chosen = eleven_rollouts(control)
+    chosen = eleven_rollouts(_tuner(profile, _counts([100, 100], [90, 20]), rule=OpeningLookedAtWhenClose))
     assert chosen[:7] == [0, 1, 2, 1, 1, 1, 0], chosen
-
-
-def _answering_switched_off(tuner):
-    """``tuner`` as the rule was from a5a261e until 2026-12-07, afternoon: the incumbent the
-    opening's second look displaced is not looked at again at once."""
-    next_choice = tuner._next_choice
-
-    def unanswered(state, expected, prior):
-        state.answering = None
-        return next_choice(state, expected, prior)
-
-    tuner._next_choice = unanswered
-    return tuner
 
 
 def test_an_incumbent_displaced_by_the_openings_second_look_is_looked_at_again_at_once():
@@ -478,7 +457,7 @@ def test_an_incumbent_displaced_by_the_openings_second_look_is_looked_at_again_a
 
     chosen = ten_rollouts(_tuner(profile, _counts([100, 100], [90, 20])), readings)
     assert chosen == [0, 1, 2, 0, 2, *[2] * 5], chosen
-    chosen = ten_rollouts(_answering_switched_off(_tuner(profile, _counts([100, 100], [90, 20]))), readings)
+    chosen = ten_rollouts(_tuner(profile, _counts([100, 100], [90, 20]), rule=OpeningLookUnanswered), readings)
     assert chosen == [0, 1, 2, *[0] * 7], chosen
     chosen = ten_rollouts(_tuner(profile, _counts([100, 100], [90, 20])), readings | {2: [3028.0, 3300.0]})
     assert chosen == [0, 1, 2, 0, 2, *[0] * 5], chosen
