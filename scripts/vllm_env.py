@@ -57,7 +57,9 @@ def create(out: Path, python: Path, torch_wheel: Path, timeout_s: float | None =
     uv = uv_binary()
     steps = [
         [uv, "venv", "-q", "--clear", "-p", str(python), str(out)],
-        [uv, "pip", "install", "-p", str(out), str(torch_wheel), VLLM_REQUIREMENT],
+        # Compiled when installed: where Python may not write its bytecode cache (PYTHONDONTWRITEBYTECODE),
+        # each vLLM process would compile torch and vLLM from source as it imports them.
+        [uv, "pip", "install", "--compile-bytecode", "-p", str(out), str(torch_wheel), VLLM_REQUIREMENT],
         [uv, "pip", "uninstall", "-p", str(out), *UNWANTED],
     ]
     for step in steps:
