@@ -20,6 +20,7 @@ bytecode and Python may not write its cache (``PYTHONDONTWRITEBYTECODE``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -60,6 +61,12 @@ def measure(kind: str, probe_argument: str, reads_bytecode: bool, empty_cache: s
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def has_bytecode(module_name: str) -> bool:
+    """Whether ``module_name``'s source has its compiled ``.pyc`` beside it (found without importing it)."""
+    spec = importlib.util.find_spec(module_name)
+    return spec is not None and spec.origin is not None and os.path.exists(importlib.util.cache_from_source(spec.origin))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -67,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     kinds = COMPARISONS[args.compare]
     base, candidate = kinds
+    if args.compare == "bytecode" and not has_bytecode("megatron.core"):
+        raise SystemExit("megatron-core in this environment has no bytecode (installed before compile-bytecode): run `uv sync --reinstall` first")
     runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     with tempfile.TemporaryDirectory(prefix="megatron_import_no_pyc_") as empty_cache:
         for repeat in range(args.repeats):
