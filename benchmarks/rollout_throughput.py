@@ -216,15 +216,22 @@ class Variant:
         self.name, self.rollout_engine = name, rollout_engine
         self.times = {name: [] for name in CLOCKS}
         self.phases, self.output, self.instrumented = StepPhases(), None, None
+        self.steps_at_k: dict[int, int] = {}  # the steps of this variant's latest rollout at each k it ran
         self.chosen = []  # auto: the k of each timed run
         self.history = []  # auto: every run's k, expected and realised tokens/s, machine speed read
         self.rollout, self.elapsed, self.timed, self.phases_before = None, None, True, None
 
     @property
     def progress(self) -> float:
-        """How far the current rollout is: its steps over the previous rollout's (its steps alone
-        before there was one)."""
-        previous = int(self.output[DECODE_STEPS]) if self.output is not None else 1
+        """How far the current rollout is: its steps over those of this variant's latest rollout
+        at the same k (else its latest rollout's; its steps alone before there was one). At the
+        same k, not the latest: auto's rollout after a switch from k = 1 to k = 0 (1,081 steps
+        against 2,048 at 32 x 2048) was paced by the k = 1 rollout's steps, read itself half done
+        too soon, and ran its last half alone after the others had finished, uninterleaved: 1.043
+        of the fixed k = 0 engine in that round, 0.978-0.982 in the two k = 0 rounds after it
+        (2 layers, untrained heads, 2026-12-07)."""
+        k = self.rollout_engine.num_speculative_tokens
+        previous = self.steps_at_k.get(k, int(self.output[DECODE_STEPS]) if self.output is not None else 1)
         return self.rollout.steps / max(previous, 1)
 
     def begin(self, prompts, seed: int, timed: bool) -> None:
@@ -246,6 +253,7 @@ class Variant:
 
     def finish(self) -> None:
         self.output = self._timed(self.rollout.finish)
+        self.steps_at_k[self.rollout_engine.num_speculative_tokens] = int(self.output[DECODE_STEPS])
         if self.rollout_engine.adaptive is not None:
             record = (SPECULATIVE_TOKENS, EXPECTED_TOKENS_PER_S, ENGINE_TOKENS_PER_S)
             self.history.append((*(float(self.output[key]) for key in record), self.rollout_engine.adaptive.speed))
