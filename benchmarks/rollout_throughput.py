@@ -226,12 +226,17 @@ class Variant:
         """How far the current rollout is: its steps over those of this variant's latest rollout
         at the same k (else its latest rollout's; its steps alone before there was one). At the
         same k, not the latest: auto's rollout after a switch from k = 1 to k = 0 (1,081 steps
-        against 2,048 at 32 x 2048) was paced by the k = 1 rollout's steps, read itself half done
-        too soon, and ran its last half alone after the others had finished, uninterleaved: 1.043
-        of the fixed k = 0 engine in that round, 0.978-0.982 in the two k = 0 rounds after it
-        (2 layers, untrained heads, 2026-12-07)."""
+        against 2,048 at 32 x 2048) was paced by the k = 1 rollout's steps, read itself done at
+        half its steps, and ran its last half alone after the others had finished, uninterleaved:
+        1.043 of the fixed k = 0 engine in that round, 0.978-0.982 in the two k = 0 rounds after
+        it (2 layers, untrained heads, 2026-12-07)."""
         k = self.rollout_engine.num_speculative_tokens
-        previous = self.steps_at_k.get(k, int(self.output[DECODE_STEPS]) if self.output is not None else 1)
+        if k in self.steps_at_k:
+            previous = self.steps_at_k[k]
+        elif self.output is not None:
+            previous = int(self.output[DECODE_STEPS])
+        else:
+            previous = 1
         return self.rollout.steps / max(previous, 1)
 
     def begin(self, prompts, seed: int, timed: bool) -> None:
