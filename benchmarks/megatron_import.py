@@ -9,7 +9,7 @@ the row "with an optimizer" is what a training worker pays, the row "import" wha
 builds no optimizer pays (the GRPO driver, a converter).
 
 ``--compare bytecode`` measures instead what the installed bytecode is worth (uv's
-``compile-bytecode``, pyproject.toml), both kinds deferred: "source" processes read no ``.pyc``
+``--compile-bytecode``, as the test command installs it), both kinds deferred: "source" processes read no ``.pyc``
 (``PYTHONPYCACHEPREFIX`` names an empty directory and nothing is written), so they compile every
 module from source as they import it, as every process does where packages were installed without
 bytecode and Python may not write its cache (``PYTHONDONTWRITEBYTECODE``).
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = COMPARISONS[args.compare]
     base, candidate = kinds
     if args.compare == "bytecode" and not has_bytecode("megatron.core"):
-        raise SystemExit("megatron-core in this environment has no bytecode (installed before compile-bytecode): run `uv sync --reinstall` first")
+        raise SystemExit("megatron-core in this environment has no bytecode: run `uv sync --compile-bytecode` first")
     runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     with tempfile.TemporaryDirectory(prefix="megatron_import_no_pyc_") as empty_cache:
         for repeat in range(args.repeats):

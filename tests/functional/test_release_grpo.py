@@ -47,7 +47,7 @@ ONE_STEP = [*SMALL_GRPO_STEP, "grpo.max_num_steps=1", "logger.wandb_enabled=fals
 
 def _run_grpo(release: str, log_dir: Path, name: str, *overrides: str) -> subprocess.CompletedProcess:
     command = [
-        "uv", "run", "--frozen", "--with", f"megatron-core=={release}", "--group", "test", "python", "examples/run_grpo.py",
+        "uv", "run", "--frozen", "--compile-bytecode", "--with", f"megatron-core=={release}", "--group", "test", "python", "examples/run_grpo.py",
         *ONE_STEP, f"logger.log_dir={log_dir}", f"logger.run_name={name}", *overrides,
     ]  # fmt: skip
     return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)

@@ -152,7 +152,7 @@ def _suite_command(junit: Path) -> list[str]:
 def _run_suite(release: str, directory: Path) -> tuple[subprocess.CompletedProcess, Path]:
     junit = directory / "junit.xml"
     completed = subprocess.run(
-        ["uv", "run", "--with", f"megatron-core=={release}", "--group", "test", *_suite_command(junit)],
+        ["uv", "run", "--compile-bytecode", "--with", f"megatron-core=={release}", "--group", "test", *_suite_command(junit)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
