@@ -9,8 +9,8 @@ the row "with an optimizer" is what a training worker pays, the row "import" wha
 builds no optimizer pays (the GRPO driver, a converter).
 
 ``--compare bytecode`` measures instead what the installed bytecode is worth (uv's
-``--compile-bytecode``, as the test command installs it), both kinds deferred: "source" processes read no ``.pyc``
-(``PYTHONPYCACHEPREFIX`` names an empty directory and nothing is written), so they compile every
+``--compile-bytecode``, which the test command passes), both kinds deferred: "source" processes
+read no ``.pyc`` (``PYTHONPYCACHEPREFIX`` names an empty directory and nothing is written), so they compile every
 module from source as they import it, as every process does where packages were installed without
 bytecode and Python may not write its cache (``PYTHONDONTWRITEBYTECODE``).
 
