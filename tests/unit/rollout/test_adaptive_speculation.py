@@ -658,11 +658,18 @@ def test_auto_does_not_speculate_with_drafts_the_policy_rarely_accepts():
     """Untrained heads verified by equality at temperature 1 over 14 tokens: about sum_x p q, under
     15% accepted, far below what a speculative step costs. The profile's choice is k = 0, the
     last of the first looks; k = 1 and k = 2 run once each to look before it, and k = 0 is kept
-    from there on."""
+    from there on. One exception the rule makes on purpose: the first look's k (the opening) runs
+    once more right after the looks where its look came within ``REFRESH_WITHIN`` of k = 0's
+    (a context's first rollout runs slow, module docstring "Second looks"); on a loaded machine
+    it can (in CI on 2026-12-07 the looks ran 1, 2, 0 and k = 1 looked again), so that one
+    rollout may draft, and every later one must not."""
     policy, cfg = make_policy(**engine_overrides("auto", 2, generation__spec_verification="exact_match"))
     engine = RolloutEngine(policy, cfg)
-    chosen = [int(generate(engine, PROMPTS * 2, seed=seed)["speculative_tokens"]) for seed in range(5)]
-    assert sorted(chosen[:2]) == [1, 2] and chosen[2:] == [0, 0, 0], (chosen, engine.adaptive.acceptance(greedy=False))
+    chosen = [int(generate(engine, PROMPTS * 2, seed=seed)["speculative_tokens"]) for seed in range(6)]
+    looks, after = chosen[:3], chosen[3:]
+    context = (chosen, engine.adaptive.acceptance(greedy=False))
+    assert sorted(looks[:2]) == [1, 2] and looks[2] == 0, context
+    assert after[0] in (0, looks[0]) and after[1:] == [0, 0], context
 
 
 @requires_speculation
