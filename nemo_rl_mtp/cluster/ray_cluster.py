@@ -127,19 +127,30 @@ def one_local_start_at_a_time(limit_s: float, lock_path: Path = START_LOCK) -> I
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
+# The workers' own settings for a local start. PyTorch's transparent huge pages for CPU tensors of
+# 2 MB and more: it reads the variable once, at a process's first allocation, so it must be in the
+# environment the workers start with. A rollout reads its whole KV cache at every decode step: on
+# 2026-12-07 (2-core VM, 32 x 2048) a k = 0 step ran 0.960x with them, and an engine rebuilt after
+# rollouts of its own at k = 1 (auto's, after a switch) no longer lost its 1-2% to a fixed one; the
+# default recipe's steps ran 1.00x, its peak memory +0.2% (docs/results.md, "huge pages").
+WORKER_SETTINGS = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
 @contextlib.contextmanager
 def local_start_environment(start_timeout_s: float) -> Iterator[None]:
     """Ray's environment for a local start on a busy machine (``ray_compat.local_start_settings``)
-    while the block runs: the Ray processes it starts inherit it; a variable the user set keeps
-    the user's value. Logged, both ours and the user's."""
+    and the workers' own (``WORKER_SETTINGS``) while the block runs: the Ray processes it starts,
+    workers included, inherit them; a variable the user set keeps the user's value
+    (``THP_MEM_ALLOC_ENABLE=0`` switches huge pages off). Logged, both ours and the user's."""
     from nemo_rl_mtp.megatron_compat import ray_compat
 
-    settings = ray_compat.local_start_settings(start_timeout_s)
-    with ray_compat.environment_set(settings) as users:
-        ours = {name: value for name, value in settings.items() if name not in users}
-        logger.info("Ray start-up settings: %s", " ".join(f"{name}={value}" for name, value in ours.items()) or "none")
+    ray_settings = ray_compat.local_start_settings(start_timeout_s)
+    with ray_compat.environment_set({**ray_settings, **WORKER_SETTINGS}) as users:
+        for what, settings in (("Ray start-up settings", ray_settings), ("workers' settings", WORKER_SETTINGS)):
+            ours = " ".join(f"{name}={value}" for name, value in settings.items() if name not in users)
+            logger.info("%s: %s", what, ours or "none")
         if users:
-            logger.info("Ray start-up settings of your own, kept: %s", " ".join(f"{name}={value}" for name, value in users.items()))
+            logger.info("settings of your own, kept: %s", " ".join(f"{name}={value}" for name, value in users.items()))
         yield
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +31,9 @@ def _descendants(before: frozenset = frozenset()) -> list[psutil.Process]:
 @pytest.mark.slow
 def test_a_local_start_sets_rays_start_up_settings_and_a_users_own_variable_wins(monkeypatch, caplog):
     """The raylet, started by a real ``ray.init``, runs with our settings and the user's value of
-    the variable the user set; the driver's environment is as it was afterwards."""
+    the variable the user set; the driver's environment is as it was afterwards. Its workers'
+    tensors sit in huge pages (PyTorch's ``THP_MEM_ALLOC_ENABLE``), where the kernel gives them
+    on request and a Python started without the setting gets none."""
     import ray
 
     assert not ray.is_initialized()
@@ -49,10 +52,60 @@ def test_a_local_start_sets_rays_start_up_settings_and_a_users_own_variable_wins
         assert "RAY_raylet_start_wait_time_s" not in os.environ
         assert os.environ["RAY_worker_register_timeout_seconds"] == "77"
         assert "Ray start-up settings: RAY_raylet_start_wait_time_s=150" in caplog.text
-        assert "Ray start-up settings of your own, kept: RAY_worker_register_timeout_seconds=77" in caplog.text
+        assert "settings of your own, kept: RAY_worker_register_timeout_seconds=77" in caplog.text
+        assert "workers' settings: THP_MEM_ALLOC_ENABLE=1" in caplog.text
+        assert environment["THP_MEM_ALLOC_ENABLE"] == "1" and "THP_MEM_ALLOC_ENABLE" not in os.environ
+        if THP_MODE in ("madvise", "always"):
+            _assert_workers_tensors_sit_in_huge_pages()
     finally:
         shutdown_ray()
     assert psutil.wait_procs(_descendants(earlier), timeout=30)[1] == []  # what the start began is gone
+
+
+def _transparent_huge_pages_mode() -> str | None:
+    """The kernel's transparent-huge-pages mode (the bracketed word), None where it has none."""
+    try:
+        return re.search(r"\[(\w+)\]", Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()).group(1)
+    except (OSError, AttributeError):
+        return None
+
+
+THP_MODE = _transparent_huge_pages_mode()
+# Run in a Ray worker and in a fresh Python: a filled 64 MB tensor's memory in huge pages (kB), as
+# /proc/self/smaps counts it for the mapping that holds it. Compiled under a module name no one can
+# import, so that Ray ships the function itself rather than a reference to this test module.
+HUGE_PAGES_PROBE = textwrap.dedent(
+    """
+    def huge_pages_kb():
+        import os, re, torch
+        tensor = torch.ones(16 * 2**20)
+        address, inside = tensor.data_ptr(), False
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                header = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+                if header:
+                    inside = int(header.group(1), 16) <= address < int(header.group(2), 16)
+                elif inside and line.startswith("AnonHugePages:"):
+                    return os.environ.get("THP_MEM_ALLOC_ENABLE"), int(line.split()[1])
+        return os.environ.get("THP_MEM_ALLOC_ENABLE"), 0
+    """
+)
+
+
+def _assert_workers_tensors_sit_in_huge_pages() -> None:
+    """A worker's 64 MB tensor mostly in huge pages; the control, the same tensor in a Python
+    started without the setting, in none where the kernel's mode is ``madvise`` (under ``always``
+    every process gets them)."""
+    import ray
+
+    namespace = {"__name__": "huge_pages_probe"}
+    exec(HUGE_PAGES_PROBE, namespace)
+    setting, worker_kb = ray.get(ray.remote(num_cpus=0)(namespace["huge_pages_kb"]).remote(), timeout=300)
+    assert setting == "1" and worker_kb >= 32 * 1024, (setting, worker_kb)
+    environment = {name: value for name, value in os.environ.items() if name != "THP_MEM_ALLOC_ENABLE"}
+    control = HUGE_PAGES_PROBE + "\nprint(*huge_pages_kb())"
+    setting, control_kb = subprocess.run([sys.executable, "-c", control], env=environment, capture_output=True, text=True, check=True, timeout=300).stdout.split()
+    assert setting == "None" and (int(control_kb) == 0 or THP_MODE == "always"), (setting, control_kb)
 
 
 # A start that never returns, holding the main thread in C code where no Python signal handler
