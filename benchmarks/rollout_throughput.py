@@ -45,15 +45,14 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.worker_environment import as_the_workers_run
 from nemo_rl_mtp.training.imitation import imitation_step
 from nemo_rl_mtp.tasks.demonstrations import demonstration_batch
 from nemo_rl_mtp.tasks.tokenizer import DigitTokenizer
@@ -63,7 +62,6 @@ from nemo_rl_mtp.metrics import DECODE_STEPS, ENGINE_TOKENS_PER_S, EXPECTED_TOKE
 from nemo_rl_mtp.rollout.speculation import speculation_metrics
 from nemo_rl_mtp.megatron_compat.cpu import paged_attention
 from nemo_rl_mtp.training.model import initialize_model_parallel, setup_megatron_policy
-from nemo_rl_mtp.cluster.ray_cluster import WORKER_SETTINGS
 from nemo_rl_mtp.cluster.worker import freeze_startup_heap, keep_freed_host_memory
 from nemo_rl_mtp.grpo.checked_config import load_checked_config
 from tests.support.helpers import free_port
@@ -569,23 +567,11 @@ def main() -> None:
     parser.add_argument("--beside-load", action="store_true", help="run a second CPU-bound process (a one-thread matmul loop) beside the benchmark")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
-    as_the_workers_run()
+    print(as_the_workers_run(), flush=True)
     CLOCK_NAME[0] = args.clock
     TURN_SECONDS[0] = args.turn_ms / 1000
     with beside_load() if args.beside_load else contextlib.nullcontext():
         run_benchmark(args)
-
-
-def as_the_workers_run() -> None:
-    """Run this command again with the policy workers' own environment (``WORKER_SETTINGS``:
-    PyTorch's huge pages) where this process lacks it, as a local run's workers start with it:
-    PyTorch reads it at a process's first allocation, long past by now, and the engines here
-    stand for a worker's (with them a k = 0 step at 32 x 2048 ran 0.960x, docs/results.md). A
-    value set by the user is kept: ``THP_MEM_ALLOC_ENABLE=0`` measures without them."""
-    missing = {name: value for name, value in WORKER_SETTINGS.items() if name not in os.environ}
-    if missing:
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.rollout_throughput", *sys.argv[1:]], {**os.environ, **missing})
-    print("the workers' settings: " + " ".join(f"{name}={os.environ[name]}" for name in WORKER_SETTINGS), flush=True)
 
 
 @contextlib.contextmanager

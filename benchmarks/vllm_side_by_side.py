@@ -11,7 +11,9 @@ Ours loads it through megatron-bridge into the policy model, as a run does, and 
 environment (``uv run python -m scripts.vllm_env --out /tmp/vllm-venv``), one worker process per k
 kept alive for the whole benchmark (``vllm_side_by_side_worker.py``), eager, prefix caching off.
 Both keep freed memory in the process (glibc's malloc thresholds raised, as a policy worker of
-ours sets them: ``cluster.worker.keep_freed_host_memory``), so neither pays page faults per call.
+ours sets them: ``cluster.worker.keep_freed_host_memory``), so neither pays page faults per call,
+and both run with PyTorch's huge pages for CPU tensors, as our workers do
+(``benchmarks.worker_environment``; vLLM's processes inherit the setting: a like-for-like memory policy).
 Both decode greedily the same prompts (the tokenizer's chat template around arithmetic questions).
 Both return each generated token's log-prob, as an RL rollout needs them (ours always does; vLLM's
 ``logprobs=0``); ``--no-vllm-logprobs`` asks vLLM for the tokens alone, which its serving does.
@@ -263,6 +265,7 @@ def agreement(results: dict) -> str:
 
 
 def main() -> None:
+    from benchmarks.worker_environment import as_the_workers_run
     from examples.serve_check import DEFAULT_VLLM_PYTHON, vllm_python
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -271,6 +274,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--vllm-logprobs", action=argparse.BooleanOptionalAction, default=True, help="vLLM returns the tokens' log-probs, as ours does (the default)")
     args = parser.parse_args()
+    print(as_the_workers_run(), "(vLLM's processes inherit them)", flush=True)
     python = vllm_python(args.vllm_python)
     with tempfile.TemporaryDirectory(prefix="vllm_side_by_side_") as scratch:
         scratch = Path(scratch)

@@ -19,7 +19,8 @@ Starting or joining Ray is bounded by ``cluster.start_timeout_s``: on a busy mac
 start-up waits are too short (a local start failed after about 50 s under a load of 5 on 2
 cores), and Ray can hang in its C++ core for minutes, where no Python signal handler runs. A
 local start therefore raises Ray's waits to that limit and switches off what a one-machine run
-does not use (``ray_compat.local_start_settings``; a variable the user set wins), and a watchdog
+does not use (``ray_compat.local_start_settings``; a variable the user set wins); the workers it
+starts get PyTorch's huge pages for CPU tensors (``WORKER_SETTINGS``), and a watchdog
 thread ends a start that has not returned by then, or within seconds of a SIGINT / SIGTERM, with
 one line, after stopping every process the start had begun. Local starts on one machine take
 turns (:func:`one_local_start_at_a_time`): two starting together can each miss one of Ray's

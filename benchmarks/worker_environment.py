@@ -1,0 +1,24 @@
+"""Benchmarks whose engines stand for a policy worker's run in a worker's environment.
+
+A local run's workers start with ``cluster.ray_cluster.WORKER_SETTINGS`` (PyTorch's huge pages for
+CPU tensors), which PyTorch reads at a process's first allocation: a benchmark that builds engines
+in its own process must start with them too, or it measures another engine than a run's (a k = 0
+step at 32 x 2048 ran 0.960x with them, docs/results.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from nemo_rl_mtp.cluster.ray_cluster import WORKER_SETTINGS
+
+
+def as_the_workers_run() -> str:
+    """Run this command again, in place, with the workers' settings this process lacks; a value
+    the user set is kept (``THP_MEM_ALLOC_ENABLE=0`` measures without huge pages). Call it first
+    in ``main``. Returns the settings as run, for the output's header."""
+    missing = {name: value for name, value in WORKER_SETTINGS.items() if name not in os.environ}
+    if missing:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **missing})
+    return "the workers' settings: " + " ".join(f"{name}={os.environ[name]}" for name in WORKER_SETTINGS)
