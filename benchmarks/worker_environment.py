@@ -2,8 +2,9 @@
 
 A local run's workers start with ``cluster.ray_cluster.WORKER_SETTINGS`` (PyTorch's huge pages for
 CPU tensors), which PyTorch reads at a process's first allocation: a benchmark that builds engines
-in its own process must start with them too, or it measures another engine than a run's (a k = 0
-step at 32 x 2048 ran 0.960x with them, docs/results.md).
+in its own process must start with them too, or it measures another engine than a run's (at 32 x
+2048 an engine rebuilt after rollouts at k = 1 ran 0.99-1.00 of a fixed one with them, 0.96-0.99
+without, docs/results.md).
 """
 
 from __future__ import annotations
