@@ -49,6 +49,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from nemo_rl_mtp.cluster.worker_settings import WORKER_SETTINGS
 from nemo_rl_mtp.config.schema import ClusterConfig
 
 logger = logging.getLogger(__name__)
@@ -126,17 +127,6 @@ def one_local_start_at_a_time(limit_s: float, lock_path: Path = START_LOCK) -> I
             yield
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
-
-
-# The workers' own settings for a local start. PyTorch's transparent huge pages for CPU tensors of
-# 2 MB and more: it reads the variable once, at a process's first allocation, so it must be in the
-# environment the workers start with. A rollout reads its whole KV cache at every decode step: on
-# this project's 2-core VM (32 x 2048) an engine rebuilt after rollouts of its own at k = 1 (auto's,
-# after a switch) ran 0.99-1.00 of a fixed one with them, 0.96-0.99 without, and a k = 0 step ran
-# 0.96x (two processes, not pinned to cores); at short responses 0.98x, the default recipe's steps
-# 1.00x, its peak memory +0.2% (docs/results.md, "huge pages").
-WORKER_SETTINGS = {"THP_MEM_ALLOC_ENABLE": "1"}
-
 
 @contextlib.contextmanager
 def local_start_environment(start_timeout_s: float) -> Iterator[None]:
