@@ -128,6 +128,7 @@ def one_local_start_at_a_time(limit_s: float, lock_path: Path = START_LOCK) -> I
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
+
 @contextlib.contextmanager
 def local_start_environment(start_timeout_s: float) -> Iterator[None]:
     """Ray's environment for a local start on a busy machine (``ray_compat.local_start_settings``)
