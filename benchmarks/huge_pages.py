@@ -32,7 +32,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SETTING = "THP_MEM_ALLOC_ENABLE"
+from nemo_rl_mtp.cluster.worker_settings import WORKER_SETTINGS
+
+SETTING = "THP_MEM_ALLOC_ENABLE"  # the kind compared: with the workers' value of it, and without
 BATCH = 32
 
 
@@ -100,7 +102,7 @@ def main() -> None:
     print(f"transparent huge pages: {thp.read_text().strip() if thp.exists() else 'not on this system'}", flush=True)
     command = [sys.executable, "-m", "benchmarks.huge_pages", "--child", f"--new-tokens={args.new_tokens}", f"--rounds={args.rounds}", *args.overrides]
     without = {name: value for name, value in os.environ.items() if name != SETTING}
-    kinds = {"huge pages": {**without, SETTING: "1"}, "without": without}
+    kinds = {"huge pages": {**without, SETTING: WORKER_SETTINGS[SETTING]}, "without": without}
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     placements = [(cpus[0], cpus[1]), (cpus[1], cpus[0])] if len(cpus) >= 2 else [(None, None)]
     print(f"\n{BATCH} x {args.new_tokens}, {args.rounds} timed rounds, the two processes side by side"

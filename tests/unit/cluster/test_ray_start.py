@@ -39,6 +39,7 @@ def test_a_local_start_sets_rays_start_up_settings_and_a_users_own_variable_wins
     assert not ray.is_initialized()
     earlier = frozenset(process.pid for process in _descendants())
     monkeypatch.setenv("RAY_worker_register_timeout_seconds", "77")
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)  # ours, not a value of the machine's
     cluster = load_config(overrides=["cluster.start_timeout_s=150"]).cluster
     try:
         with caplog.at_level(logging.INFO, logger="nemo_rl_mtp.cluster.ray_cluster"):
